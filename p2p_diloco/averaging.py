@@ -1,0 +1,299 @@
+"""The only user of hivemind's averager: a canonical, all-or-nothing butterfly all-reduce of pseudo-gradients.
+
+Why not hivemind's stock all-reduce (HIVEMIND.md, facts 1 and 2):
+  * its reducer sends each sender ``lossy(avg - that sender's part)``, which the sender adds to its own tensor, so every
+    peer ends with different bytes; and
+  * when a reducer dies its part silently keeps each peer's own values, and a failed sender is dropped from the parts
+    it had not sent yet, so parts end up averaged over different peers, all reported as success.
+
+What we do instead, keeping hivemind's matchmaking, transport and part streaming:
+  * each reducer encodes the average of its part once (with the run's codec) and streams *those bytes* to every sender;
+    every peer, the reducer included, decodes the same bytes, so all peers hold bit-identical results;
+  * a reducer that loses any sender stops serving results at once (it would otherwise average later parts over
+    fewer peers); and
+  * a peer that misses any part from any reducer fails the round: a partial average is never applied.
+Before the all-reduce, every member sees the same gathered metadata (round, θ_global digest, tokens) and derives the
+same set of participants: members whose (round, digest) is not the group's majority contribute with weight 0.
+
+We subclass ``AllReduceRunner`` and override ``DecentralizedAverager._aggregate_with_group`` /
+``_run_allreduce_inplace_``, which are private: hivemind is pinned to exactly 1.1.12 for this reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.compression import (Float16Compression, NoCompression, ScaledFloat16Compression,
+                                  deserialize_torch_tensor, serialize_torch_tensor)
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import (aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip,
+                                    enter_asynchronously)
+
+from p2p_diloco.config import AveragingConfig
+from p2p_diloco.procs import die_with_parent
+
+logger = logging.getLogger(__name__)
+
+CODECS = {"scaled_fp16": ScaledFloat16Compression, "fp16": Float16Compression, "fp32": NoCompression}
+
+
+@dataclass
+class Contribution:
+    """What a peer announces to its group before averaging (all-gathered, identical on every member)."""
+    name: str
+    round: int        # number of rounds committed so far: the version of θ_global the pseudo-gradient is relative to
+    digest: str       # sha256 of θ_global (hex)
+    tokens: int       # tokens processed since the last commit: the weight of this contribution
+
+
+@dataclass
+class AverageResult:
+    """Outcome of one averaging attempt. When ``ok``, the pseudo-gradient buffers hold the canonical average."""
+    ok: bool
+    group_size: int = 0                       # members whose contribution is in the average
+    peers: list[str] = field(default_factory=list)  # their names
+    tokens: int = 0                           # tokens behind the average
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    error: Optional[str] = None
+    stale: bool = False                       # the group averaged a θ_global other than ours: repair before contributing
+    group_round: Optional[int] = None         # the round the group's majority was at
+
+
+def choose_participants(contributions: Sequence[Contribution]) -> list[int]:
+    """Indices of members whose pseudo-gradient enters the average: the largest class sharing one (round, digest).
+
+    Pure and deterministic: every member evaluates it on the same gathered list and gets the same answer. Ties go to
+    the higher round, then to the smaller digest. Members with no tokens contribute nothing.
+    """
+    classes = Counter((c.round, c.digest) for c in contributions)
+    best = max(classes, key=lambda k: (classes[k], k[0], [-ord(ch) for ch in k[1]]))
+    return [i for i, c in enumerate(contributions) if (c.round, c.digest) == best and c.tokens > 0]
+
+
+class CanonicalAllReduceRunner(AllReduceRunner):
+    """Butterfly all-reduce whose reducers stream the encoded average itself; any lost part fails the whole run."""
+
+    def __init__(self, *, codec_type, **kwargs):
+        super().__init__(**kwargs)
+        self.codec_type = codec_type
+        self.tensor_part_container.return_deltas = False
+        self.failed_reducers: set = set()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._encoded_averages: dict[int, asyncio.Future] = {}
+
+    async def _encode_average(self, part_index: int, averaged: torch.Tensor):
+        """Encode the average of one of our parts once; every recipient (us included) gets these same bytes."""
+        if part_index not in self._encoded_averages:
+            self._encoded_averages[part_index] = asyncio.get_event_loop().run_in_executor(
+                None, serialize_torch_tensor, averaged, self.codec_type)
+        return await self._encoded_averages[part_index]
+
+    def _check_senders_intact(self) -> None:
+        if self.banned_senders:
+            raise AllreduceException(f"sender(s) {sorted(map(str, self.banned_senders))} failed: abort this part")
+
+    async def _communicate_with_peer(self, peer_id):
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        try:
+            if peer_id == self.peer_id:
+                await self._reduce_own_parts(peer_index)
+            else:
+                await self._exchange_with_reducer(peer_id, peer_index)
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug(f"{self}: lost part of reducer {peer_id}: {e!r}")
+            self.failed_reducers.add(peer_id)
+            self.tensor_part_container.register_failed_reducer(peer_index)  # unblocks output iteration; round fails
+            raise
+
+    async def _reduce_own_parts(self, peer_index: int) -> None:
+        sender_index = self.sender_peer_ids.index(self.peer_id)
+        loop = asyncio.get_event_loop()
+        for part_index, part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=self.weight)
+            self._check_senders_intact()
+            encoded = await self._encode_average(part_index, averaged)
+            decoded = await loop.run_in_executor(None, deserialize_torch_tensor, encoded)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
+
+    async def _exchange_with_reducer(self, peer_id, peer_index: int) -> None:
+        done_sending = asyncio.Event()
+        inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+        stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+        if self.should_delay_results(self.peer_id):
+            await done_sending.wait()
+
+        def decode(msg):
+            if msg.code != averaging_pb2.AVERAGED_PART:
+                raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+            self.bytes_received += len(msg.tensor_part.buffer)
+            return deserialize_torch_tensor(msg.tensor_part)
+
+        part_index = 0
+        async for averaged in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
+                                               max_prefetch=self.tensor_part_container.prefetch):
+            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+            part_index += 1
+        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+        if part_index != expected:
+            raise AllreduceException(f"{peer_id} sent {part_index} of {expected} parts")
+
+    async def _generate_input_for_peer(self, peer_index: int):
+        async for msg in super()._generate_input_for_peer(peer_index):
+            self.bytes_sent += len(msg.tensor_part.buffer)
+            yield msg
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        """Reducer side: average each part over all senders, then stream the encoded average back to this sender."""
+        part_index = 0
+        try:
+            async for part, weight in amap_in_executor(
+                    lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight), stream,
+                    max_prefetch=self.tensor_part_container.prefetch):
+                if not (weight >= 0 and weight != float("inf")):
+                    raise AllreduceException(f"sender {sender_index} sent invalid weight {weight}")
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
+                                                                              weight=weight)
+                except BannedException:
+                    break
+                if self.banned_senders:  # this part may now be averaged over fewer senders: serve nothing more
+                    yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+                    return
+                encoded = await self._encode_average(part_index, averaged)
+                part_index += 1
+                self.bytes_sent += len(encoded.buffer)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class CanonicalAverager(DecentralizedAverager):
+    """DecentralizedAverager running :class:`CanonicalAllReduceRunner`; its process dies with its parent."""
+
+    def __init__(self, *args, codec: str, min_participants: int, **kwargs):
+        self._codec_type = CODECS[codec].compression_type
+        self._min_participants = min_participants
+        super().__init__(*args, compression=CODECS[codec](), **kwargs)
+
+    def run(self):
+        die_with_parent()
+        super().run()
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, weight: float, **kwargs):
+        try:
+            bandwidths, mode_ids, gathered = zip(*map(self.serializer.loads, group_info.gathered))
+            contributions = [Contribution(**self.serializer.loads(g)) for g in gathered]
+            modes = tuple(map(AveragingMode, mode_ids))
+            members = choose_participants(contributions)
+            me = group_info.peer_ids.index(self.peer_id)
+            summary = dict(members=[contributions[i].name for i in members], member_of=me in members,
+                           tokens=sum(contributions[i].tokens for i in members),
+                           group_round=contributions[members[0]].round if members else None)
+            if len(members) < self._min_participants:
+                raise AllreduceException(f"only {len(members)} of {len(contributions)} members agree on θ_global")
+            download_bandwidths = [b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)]
+            peer_fractions = await asyncio.get_event_loop().run_in_executor(
+                None, load_balance_peers, self.total_size, download_bandwidths, min_vector_size)
+            async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                sent, received = await self._run_allreduce_inplace_(
+                    local_tensors, group_info, peer_fractions=peer_fractions,
+                    weight=weight if me in members else 0.0, **kwargs)
+            return dict(summary, bytes_sent=sent, bytes_received=received)
+        except BaseException as e:
+            raise MatchmakingException(f"all-reduce failed: {e!r}") from None
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = CanonicalAllReduceRunner(
+            p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids, codec_type=self._codec_type, **kwargs)
+        self._running_groups[group_id].set_result(runner)
+        async for tensor, averaged in azip(as_aiter(*tensors), runner):
+            tensor.copy_(averaged)  # copy, not add: every peer ends with the same decoded bytes
+        if runner.failed_reducers or runner.tensor_part_container.failed_size:
+            raise AllreduceException(f"lost parts of reducer(s) {sorted(map(str, runner.failed_reducers))}")
+        return runner.bytes_sent, runner.bytes_received
+
+
+class Averager:
+    """The averaging seam used by a peer: shared pseudo-gradient buffers and one ``average()`` call per round.
+
+    The buffers are allocated once (in shared memory) with the shapes of the model's parameters. A round writes the
+    pseudo-gradient into them inside ``with averager.pseudo_grads() as bufs:``, then calls :meth:`average`; if the
+    result is ``ok``, the buffers hold the canonical weighted average, bit-identical on every peer of the group.
+    """
+
+    def __init__(self, dht, cfg: AveragingConfig, prefix: str, shapes: Sequence[torch.Size], *,
+                 client_mode: bool = False, expected_group_size: Optional[int] = None):
+        self.cfg = cfg
+        buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+        self._averager = CanonicalAverager(
+            buffers, dht, start=True, prefix=prefix, codec=cfg.codec, min_participants=cfg.min_group_size,
+            target_group_size=expected_group_size or cfg.target_group_size, min_group_size=cfg.min_group_size,
+            min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
+            allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
+            part_size_bytes=cfg.part_size_bytes, client_mode=client_mode, allow_state_sharing=False,
+            shutdown_timeout=5)
+
+    @property
+    def peer_id(self) -> str:
+        return str(self._averager.peer_id)
+
+    @contextlib.contextmanager
+    def pseudo_grads(self) -> Iterator[Sequence[torch.Tensor]]:
+        """The shared buffers; the averager does not touch them while this context is open."""
+        with self._averager.get_tensors() as tensors:
+            yield tensors
+
+    @property
+    def matchmaking_timeout(self) -> float:
+        """How long a peer may look for a group (s): two matchmaking windows plus a request round trip."""
+        return 2 * self.cfg.matchmaking_time + self.cfg.request_timeout
+
+    def average(self, contribution: Contribution, weight: float) -> AverageResult:
+        """Find a group and all-reduce the buffers; never raises, never waits beyond the configured timeouts."""
+        start = time.perf_counter()
+        control = None
+        try:
+            control = self._averager.step(gather=asdict(contribution), weight=float(weight), wait=False,
+                                          timeout=self.matchmaking_timeout, allow_retries=False)
+            out = control.result(timeout=self.matchmaking_timeout + self.cfg.allreduce_timeout + 10)
+        except BaseException as e:
+            if control is not None and not control.done():
+                control.cancel()
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            return AverageResult(ok=False, seconds=time.perf_counter() - start, error=_one_line(e))
+        result = AverageResult(ok=out["member_of"], group_size=len(out["members"]), peers=out["members"],
+                               tokens=out["tokens"], bytes_sent=out["bytes_sent"],
+                               bytes_received=out["bytes_received"], seconds=time.perf_counter() - start,
+                               group_round=out["group_round"])
+        if not out["member_of"]:
+            result.stale, result.error = True, f"the group averaged round {out['group_round']} of another θ_global"
+        return result
+
+    def close(self) -> None:
+        if self._averager.is_alive():
+            self._averager.shutdown()
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"[:300]

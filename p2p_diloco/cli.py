@@ -1,0 +1,158 @@
+"""``p2p-diloco``: bootstrap | peer | swarm. Thin: parse, build, run, and clean up in ``finally``.
+
+Bad input (unknown key, wrong type, missing file, unreachable initial peer) prints one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+from p2p_diloco.config import ConfigError, describe, dump_toml, load_config, parse_overrides
+
+USAGE_ERROR = 2
+
+DESCRIPTION = "Peer-to-peer DiLoCo training over the internet, on hivemind, with bit-identical global parameters."
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    try:
+        overrides, rest = parse_overrides(argv)
+        args, unknown = parser.parse_known_args(rest)
+        if unknown:
+            raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (config keys look like --section.key=value)")
+        return args.func(args, overrides)
+    except ConfigError as e:
+        _fail(str(e))
+    except _JoinError as e:
+        _fail(str(e))
+    return USAGE_ERROR
+
+
+class _JoinError(Exception):
+    pass
+
+
+def _fail(message: str) -> None:
+    print(f"p2p-diloco: error: {message}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------- parser
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="p2p-diloco", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Run 'p2p-diloco COMMAND --help' for a command's options and config keys.")
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    def command(name: str, help_text: str, func, sections: Optional[list[str]]) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="config keys (in a TOML file under [section], or as --section.key=value):\n"
+                                  + describe(sections))
+        p.add_argument("--config", metavar="FILE", help="TOML config file; --section.key=value flags override it")
+        p.set_defaults(func=func)
+        return p
+
+    b = command("bootstrap", "Run a DHT-only bootstrap node that peers use to find each other.", _cmd_bootstrap,
+                ["network"])
+    b.add_argument("--maddrs-file", metavar="FILE", help="also write the node's multiaddrs to FILE")
+
+    p = command("peer", "Join a run and train: inner AdamW steps, then a fault-tolerant all-reduce every H steps.",
+                _cmd_peer, None)
+    p.add_argument("--initial-peers", metavar="MADDR[,MADDR]",
+                   help="multiaddrs of any live node of the run (same as --network.initial_peers)")
+
+    s = command("swarm", "Run a bootstrap node and N peers on 127.0.0.1 (the demo, and the shape of our tests).",
+                _cmd_swarm, None)
+    s.add_argument("--peers", type=int, default=3, help="number of peers (default 3)")
+    s.add_argument("--rounds", type=int, default=6, help="rounds to train (default 6)")
+    s.add_argument("--inner-steps", type=int, default=30, help="H, inner steps per round (default 30)")
+    s.add_argument("--run-dir", default="runs/swarm", help="folder for logs, metrics, checkpoints and summary.json")
+    s.add_argument("--timeout", type=float, default=None, help="stop the swarm after this many seconds")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+def _cmd_bootstrap(args, overrides: dict[str, str]) -> int:
+    from p2p_diloco.bootstrap import DEFAULTS, run_bootstrap
+    from p2p_diloco.dht import JoinError
+
+    cfg = load_config(args.config, overrides, defaults=DEFAULTS)
+    _setup_logging("bootstrap")
+    stop = threading.Event()
+    try:
+        # the DHT starts inside run_bootstrap; the handlers below are installed before it blocks on stop
+        _on_stop_signals(stop)
+        run_bootstrap(cfg.network, stop, maddrs_file=args.maddrs_file, echo=lambda s: print(s, flush=True))
+    except JoinError as e:
+        raise _JoinError(str(e)) from None
+    return 0
+
+
+def _cmd_peer(args, overrides: dict[str, str]) -> int:
+    from p2p_diloco.dht import JoinError
+    from p2p_diloco.peer import Peer
+
+    if args.initial_peers:
+        overrides = {"network.initial_peers": args.initial_peers, **overrides}
+    cfg = load_config(args.config, overrides)
+    peer = Peer(cfg)
+    _setup_logging(peer.name)
+    try:
+        peer.start()
+        # hivemind's averager sets SIGINT to "ignore" in this process when it starts: install ours after it
+        _on_stop_signals(peer.stop_event)
+        peer.run()
+    except JoinError as e:
+        raise _JoinError(str(e)) from None
+    finally:
+        peer.close()
+    return 0
+
+
+def _cmd_swarm(args, overrides: dict[str, str]) -> int:
+    from p2p_diloco.swarm import DEMO_DEFAULTS, run_swarm
+
+    for flag in ("peers", "rounds", "inner_steps"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    # validate everything before starting a single process; peers then read one effective config file
+    cfg = load_config(args.config, overrides, defaults=DEMO_DEFAULTS)
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "peer-config.toml"
+    config_path.write_text(dump_toml(cfg))
+    return run_swarm(args.peers, args.rounds, args.inner_steps, str(run_dir), [f"--config={config_path}"],
+                     timeout=args.timeout, echo=lambda s: print(s, flush=True))
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def _on_stop_signals(stop: threading.Event) -> None:
+    def handler(signum, frame):
+        logging.getLogger("p2p_diloco").info(f"got {signal.Signals(signum).name}: stopping after the current step")
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _setup_logging(name: str) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format=f"%(asctime)s {name} %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("hivemind", "httpx", "datasets", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,85 @@
+"""DHT nodes and every DHT key this project writes or reads.
+
+Keys (all under the run's prefix ``{run_id}_{fingerprint}``, so runs and model shapes never mix):
+  * ``{prefix}.0b...``           hivemind matchmaking (written by hivemind's averager)
+  * ``{prefix}.all_averagers``   state donors (written by hivemind's averager)
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Optional, Sequence
+
+import hivemind
+from hivemind.utils.multiaddr import Multiaddr
+from hivemind.p2p import P2PDaemonError
+
+from p2p_diloco.config import ConfigError, NetworkConfig
+from p2p_diloco.procs import die_with_parent, subprocesses_die_with_us
+
+logger = logging.getLogger(__name__)
+
+
+class JoinError(RuntimeError):
+    """This node could not reach any initial peer (or start its transport) within the allowed time."""
+
+
+class DHT(hivemind.DHT):
+    """hivemind.DHT whose background process, and the p2pd daemon it starts, die with the process that created it."""
+
+    def run(self) -> None:
+        die_with_parent()
+        subprocesses_die_with_us()
+        super().run()
+
+
+def run_prefix(run_id: str, fingerprint: str) -> str:
+    """Namespace of one run: peers with another run_id, model or codec never group with us."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", run_id)
+    return f"{safe}_{fingerprint}"
+
+
+def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None) -> DHT:
+    """Start a DHT node from the [network] section; raise JoinError (one line) if it cannot join in time."""
+    _check_maddrs("network.initial_peers", cfg.initial_peers)
+    _check_maddrs("network.host_maddrs", cfg.host_maddrs)
+    _check_maddrs("network.announce_maddrs", cfg.announce_maddrs)
+    kwargs = dict(
+        initial_peers=list(cfg.initial_peers),
+        host_maddrs=list(cfg.host_maddrs),
+        announce_maddrs=list(cfg.announce_maddrs) or None,
+        identity_path=cfg.identity_path,
+        client_mode=cfg.client_mode if client_mode is None else client_mode,
+        startup_timeout=cfg.join_timeout,
+        bootstrap_timeout=cfg.join_timeout,
+    )
+    try:
+        dht = DHT(start=True, await_ready=False, **kwargs)
+        dht.wait_until_ready(timeout=cfg.join_timeout + 5)
+    except TimeoutError:
+        dht.shutdown()
+        raise JoinError(f"could not join the swarm within {cfg.join_timeout:.0f} s "
+                        f"(network.initial_peers={','.join(cfg.initial_peers)})") from None
+    except (P2PDaemonError, OSError, ValueError) as e:
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        if "bootstrap" in msg.lower() or "connect" in msg.lower():
+            msg = f"no initial peer reachable ({','.join(cfg.initial_peers)}): {msg}"
+        raise JoinError(msg) from None
+    return dht
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    """Multiaddrs others can dial, with the peer id; loopback ones last."""
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    return sorted(maddrs, key=lambda m: ("/127.0.0.1/" in m or "/::1/" in m, m))
+
+
+def _check_maddrs(key: str, maddrs: Sequence[str]) -> None:
+    for maddr in maddrs:
+        if not maddr.startswith("/"):
+            raise ConfigError(f"{key}: not a multiaddr: {maddr!r} (expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...)")
+        try:
+            Multiaddr(maddr)
+        except Exception as e:  # the multiaddr library raises several unrelated types
+            raise ConfigError(f"{key}: invalid multiaddr {maddr!r}: {e}") from None

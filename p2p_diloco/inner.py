@@ -1,0 +1,151 @@
+"""The local inner loop: AdamW steps on one peer's own batches. No network.
+
+In DiLoCo the inner optimizer state is local and never synced; it lives across rounds while the parameters are
+reset to θ_global at the start of each round. Reset them in place (``p.data.copy_(...)``) so the optimizer keeps
+referring to the model's parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from p2p_diloco.config import ConfigError, InnerConfig
+
+
+def lr_at(step: int, cfg: InnerConfig, total_steps: Optional[int]) -> float:
+    """Learning rate of inner step ``step`` (0-based, counted over the whole run, not per round).
+
+    Linear warm-up reaching ``cfg.lr`` at step ``warmup_steps - 1``, then cosine decay to ``cfg.lr *
+    cfg.min_lr_ratio`` at step ``total_steps`` (warm-up included) and constant beyond it; constant ``cfg.lr``
+    after warm-up when ``total_steps`` is None. Pure.
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if total_steps is None:
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def schedule_total_steps(cfg: InnerConfig, rounds: Optional[int], inner_steps: int) -> Optional[int]:
+    """``total_steps`` for :func:`lr_at` from the config: warm-up + ``cfg.cosine_steps`` when set, else
+    ``rounds * inner_steps`` (run.rounds x diloco.inner_steps), else None (constant lr after warm-up)."""
+    if cfg.cosine_steps is not None:
+        return cfg.warmup_steps + cfg.cosine_steps
+    return None if rounds is None else rounds * inner_steps
+
+
+@dataclass
+class StepResult:
+    """What one inner step did."""
+    loss: float  # mean training loss over the step's micro-batches, nats per token
+    tokens: int  # tokens processed (all micro-batches)
+    lr: float  # learning rate used
+    grad_norm: Optional[float] = None  # global gradient norm before clipping; None when clipping is off
+
+
+class InnerTrainer:
+    """AdamW on ``model`` (whose parameters must already be on ``device``), stepping the lr schedule.
+
+    Weight decay applies to matrices and embeddings only; norm gains (1-D tensors) are not decayed (nanoGPT's rule).
+    bf16 autocast on CUDA, fp32 on the CPU. ``step_count`` counts inner steps done and drives the schedule.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: InnerConfig, device: torch.device,
+                 total_steps: Optional[int]):
+        self.model, self.cfg, self.device, self.total_steps = model, cfg, device, total_steps
+        self.step_count = 0
+        self.optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                                           betas=(cfg.beta1, cfg.beta2))
+
+    def step(self, next_batch: Callable[[], torch.Tensor]) -> StepResult:
+        """One inner step over ``cfg.grad_accum`` micro-batches from ``next_batch`` (LongTensor [B, T])."""
+        lr = lr_at(self.step_count, self.cfg, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, tokens = self._accumulate(next_batch)
+        grad_norm = None
+        if self.cfg.grad_clip is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.step_count += 1
+        # note: the one CPU-GPU sync point of a step (loss and norm fetched together)
+        if grad_norm is None:
+            return StepResult(loss.item(), tokens, lr)
+        loss_value, norm_value = torch.stack([loss, grad_norm.float()]).tolist()
+        return StepResult(loss_value, tokens, lr, norm_value)
+
+    def _accumulate(self, next_batch: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+        total = torch.zeros((), device=self.device)
+        tokens = 0
+        for _ in range(self.cfg.grad_accum):
+            x = next_batch().to(self.device, non_blocking=True)
+            with autocast(self.device):
+                # labels = inputs: the model shifts them internally for next-token prediction
+                loss = self.model(input_ids=x, labels=x).loss / self.cfg.grad_accum
+            loss.backward()
+            total += loss.detach().float()
+            tokens += x.numel()
+        return total, tokens
+
+    def state_dict(self) -> dict:
+        """AdamW moments and ``step_count`` (the parameters belong to the caller's checkpoint)."""
+        return {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step_count"])
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA; nothing (fp32) elsewhere."""
+    if device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device) -> float:
+    """Mean next-token loss (nats per token) of ``model`` over ``batches``, in eval mode; restores the mode."""
+    if not batches:
+        raise ValueError("evaluate: no batches")
+    was_training = model.training
+    model.eval()
+    try:
+        total = torch.zeros((), device=device)
+        for x in batches:
+            x = x.to(device, non_blocking=True)
+            with autocast(device):
+                total += model(input_ids=x, labels=x).loss.float()
+        return total.item() / len(batches)  # note: one sync for the whole evaluation
+    finally:
+        model.train(was_training)
+
+
+def resolve_device(name: str) -> torch.device:
+    """RunConfig.device -> torch.device: 'auto' is cuda when available, else cpu. Raises ConfigError naming
+    run.device for an unknown name or a CUDA device that is not there."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"run.device: expected auto, cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"run.device: {name!r} requested but CUDA is not available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"run.device: {name!r} but only {torch.cuda.device_count()} CUDA device(s)")
+    return device

@@ -1,0 +1,161 @@
+"""Build the causal language model every peer trains, from a preset or a local Hugging Face config. Never downloads.
+
+Every peer must start from bit-identical θ_global, so :func:`build_model` is a pure function of
+``(cfg, vocab_size, seed)``: it seeds a forked torch RNG, builds the model in fp32 on the CPU, and leaves the
+caller's global RNG state untouched. :func:`model_fingerprint` lets peers check that they train the same model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
+
+from p2p_diloco.config import ConfigError, ModelConfig
+
+DEFAULT_VOCAB_SIZE = 32000
+"""Vocabulary of the DiLoCo paper's models (Table 1); presets take the tokenizer's size instead when given one."""
+
+
+def _llama_intermediate(hidden: int, multiple_of: int = 256) -> int:
+    """Llama's SwiGLU width: 8/3 x hidden rounded up to ``multiple_of``.
+
+    Why 8/3 and not 4x: a gated MLP has three matrices, so 8/3 x hidden gives the same 12·h² parameters per layer
+    as the paper's 4x non-gated MLP, which keeps the presets' sizes close to the paper's names.
+    """
+    return multiple_of * math.ceil(8 * hidden / 3 / multiple_of)
+
+
+def _paper_shape(layers: int, hidden: int, heads: int) -> dict:
+    # tied embeddings: with a 32k vocabulary this is what makes 3 x 896 come out at ~60M (untied: ~86M)
+    return dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                num_key_value_heads=heads, intermediate_size=_llama_intermediate(hidden),
+                max_position_embeddings=2048, tie_word_embeddings=True)
+
+
+PRESETS: dict[str, dict] = {
+    # CPU demo and tests: ~0.46M parameters with the byte tokenizer; learns visibly within a minute on 2 cores
+    "tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=384, max_position_embeddings=1024, tie_word_embeddings=True),
+    # the DiLoCo paper's shapes (Table 1); with a 32k vocabulary: ~58M, ~145M, ~390M parameters
+    "60m": _paper_shape(3, 896, 16),
+    "150m": _paper_shape(12, 896, 16),
+    "400m": _paper_shape(12, 1536, 12),
+    # TinyLlama-1.1B's shape (grouped-query attention, untied head): ~1.1B parameters with a 32k vocabulary
+    "1b": dict(num_hidden_layers=22, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+               intermediate_size=5632, max_position_embeddings=2048, tie_word_embeddings=False),
+}
+"""Keyword arguments for :class:`transformers.LlamaConfig`, without ``vocab_size`` (it comes from the tokenizer)."""
+
+
+def preset_config(name: str, vocab_size: int = DEFAULT_VOCAB_SIZE, seq_len: int = 0) -> LlamaConfig:
+    """The LlamaConfig of preset ``name``; ``max_position_embeddings`` is raised to ``seq_len`` (tokens) if needed."""
+    kwargs = dict(PRESETS[name], vocab_size=vocab_size)
+    kwargs["max_position_embeddings"] = max(kwargs["max_position_embeddings"], seq_len)
+    return LlamaConfig(**kwargs)
+
+
+def load_model_config(cfg: ModelConfig, vocab_size: int) -> PretrainedConfig:
+    """Resolve ``cfg.name`` to a transformers config, reading local files only.
+
+    Raises ConfigError naming model.name when it is neither a preset nor an existing path, when the file's
+    vocabulary is smaller than the tokenizer's ``vocab_size``, or when it cannot hold ``cfg.seq_len`` positions.
+    """
+    if cfg.name in PRESETS:
+        return preset_config(cfg.name, vocab_size, cfg.seq_len)
+    path = Path(cfg.name).expanduser()
+    if not path.exists():
+        raise ConfigError(f"model.name: no preset or config file '{cfg.name}' (presets: {', '.join(PRESETS)})")
+    model_config = _read_hf_config(path, cfg.name)
+    _check_hf_config(model_config, cfg, vocab_size)
+    return model_config
+
+
+def _read_hf_config(path: Path, name: str) -> PretrainedConfig:
+    if path.is_file():
+        return _config_from_json(path, name)
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model.name: cannot read a Hugging Face config from '{name}': {_first_line(e)}") from None
+
+
+def _config_from_json(path: Path, name: str) -> PretrainedConfig:
+    """A config.json file (any file name): dispatch on its ``model_type`` like AutoConfig does."""
+    try:
+        data = json.loads(path.read_text())
+        return AutoConfig.for_model(data.pop("model_type"), **data)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"model.name: cannot read a Hugging Face config from '{name}': {_first_line(e)}") from None
+
+
+def _check_hf_config(model_config: PretrainedConfig, cfg: ModelConfig, vocab_size: int) -> None:
+    model_vocab = getattr(model_config, "vocab_size", None)
+    if model_vocab is not None and model_vocab < vocab_size:
+        raise ConfigError(f"model.name: '{cfg.name}' has vocab_size {model_vocab}, smaller than the tokenizer's "
+                          f"{vocab_size} (see data.tokenizer)")
+    max_pos = getattr(model_config, "max_position_embeddings", None)
+    if max_pos is not None and max_pos < cfg.seq_len:
+        raise ConfigError(f"model.name: '{cfg.name}' has max_position_embeddings {max_pos} < model.seq_len "
+                          f"{cfg.seq_len}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _dtype_kwarg() -> str:
+    # transformers 5 renamed from_config's torch_dtype to dtype (the old name still works there, with a warning)
+    return "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> PreTrainedModel:
+    """A freshly initialized fp32 causal LM on the CPU, bit-identical for equal ``(cfg, vocab_size, seed)``.
+
+    ``vocab_size`` is the tokenizer's size (presets use it as is; HF configs must be at least as large).
+    The global torch RNG state is the same after the call as before it. Raises ConfigError naming model.name.
+    """
+    model_config = load_model_config(cfg, vocab_size)
+    # fork_rng: the result must not depend on RNG draws made by other code, nor disturb them
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa",
+                                                 **{_dtype_kwarg(): torch.float32})
+    return model
+
+
+def model_fingerprint(model: PreTrainedModel) -> str:
+    """16 hex characters identifying the architecture: config (sorted JSON) plus every parameter's name,
+    shape and dtype. Independent of the weights' values and of the transformers version and file location."""
+    config = model.config.to_dict()
+    for volatile in ("transformers_version", "_name_or_path", "_commit_hash", "_attn_implementation_autoset"):
+        config.pop(volatile, None)
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, p in model.named_parameters():
+        h.update(f"\n{name}:{tuple(p.shape)}:{p.dtype}".encode())
+    return h.hexdigest()[:16]
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """16 hex characters of sha256 over every parameter's name and raw bytes: equal iff the weights are bit-identical.
+
+    Why: seeded initialization is deterministic per machine, but CPU random kernels may differ between CPU
+    families (e.g. vectorized normal sampling), so peers should compare this digest before their first round.
+    Cost: one pass over the weights (a few seconds for 1B parameters).
+    """
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of distinct parameter values (tied weights count once)."""
+    return sum(p.numel() for p in model.parameters())

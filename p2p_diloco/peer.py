@@ -1,0 +1,231 @@
+"""A DiLoCo peer: start → run → close. ``Peer.run`` owns the round loop.
+
+One round: H inner AdamW steps on θ_local; δ = θ_global − θ_local into the averager's buffers; canonical all-reduce;
+if the round is good, the outer step on θ_global and θ_local ← θ_global (commit); otherwise θ_global is left untouched
+and training continues from θ_local, so the next round's pseudo-gradient carries this round's work too (roll back).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from p2p_diloco.checkpoint import load_checkpoint, save_checkpoint
+from p2p_diloco.config import Config
+from p2p_diloco.data import build_data
+from p2p_diloco.inner import InnerTrainer, evaluate, resolve_device, schedule_total_steps
+from p2p_diloco.metrics import JsonlSink, MetricsSink
+from p2p_diloco.model import build_model, count_parameters, model_fingerprint
+from p2p_diloco.outer import build_outer_optimizer, load_into, params_digest, pseudo_gradient
+
+logger = logging.getLogger("p2p_diloco")
+
+
+class Peer:
+    """One replica of the run. ``averager`` may be injected (tests); otherwise ``start`` joins the swarm."""
+
+    def __init__(self, cfg: Config, *, averager=None, stop_event: Optional[threading.Event] = None):
+        self.cfg = cfg
+        self.name = cfg.run.name or f"{socket.gethostname()}-{os.getpid()}"
+        self.run_dir = Path(cfg.run.run_dir)
+        self.stop_event = stop_event or threading.Event()
+        self.averager = averager
+        self.dht = None
+        self.round = 0                 # rounds committed: the version of θ_global
+        self.tokens_since_commit = 0   # weight of the next contribution
+        self.metrics: MetricsSink = MetricsSink()
+        self.log = logger
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------------ start
+    def start(self) -> "Peer":
+        cfg = self.cfg
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        self.device = resolve_device(cfg.run.device)
+        self.data = build_data(cfg.data, cfg.model.seq_len, cfg.inner.batch_size, self.name)
+        self.model = build_model(cfg.model, self.data.vocab_size, cfg.run.seed).to(self.device)
+        self.global_params = [p.detach().to("cpu", torch.float32).clone() for p in self.model.parameters()]
+        self.outer = build_outer_optimizer(cfg.diloco.outer_optimizer, self.global_params, cfg.diloco.outer_lr,
+                                           cfg.diloco.outer_momentum)
+        total = schedule_total_steps(cfg.inner, cfg.run.rounds, cfg.diloco.inner_steps)
+        self.inner = InnerTrainer(self.model, cfg.inner, self.device, total)
+        self.fingerprint = self._fingerprint()
+        resumed = self._resume()
+        self.metrics = JsonlSink(self.run_dir / "metrics.jsonl")
+        if self.averager is None:
+            self._join_swarm()
+        self.log.info(f"model {count_parameters(self.model) / 1e6:.2f}M params, fingerprint {self.fingerprint}, "
+                      f"device {self.device}, {'resumed at' if resumed else 'starting at'} round {self.round}")
+        if not resumed:
+            eval_loss = self._evaluate()
+            self.metrics.log({"event": "start", "run_id": self.cfg.run.run_id, "peer": self.name, "peer_id": self.peer_id, "round": self.round,
+                              "eval/loss": eval_loss, "global_params_sha256": self.global_digest,
+                              "fingerprint": self.fingerprint})
+            self.log.info(f"initial eval loss {eval_loss:.4f}")
+        return self
+
+    def _fingerprint(self) -> str:
+        """Everything that must match for two peers to average: model shape, wire codec, outer rule."""
+        d = self.cfg.diloco
+        key = (f"{model_fingerprint(self.model)}|{self.cfg.averaging.codec}|{d.outer_optimizer}|{d.outer_lr}|"
+               f"{d.outer_momentum}|{d.weight_by_tokens}")
+        return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+    def _join_swarm(self) -> None:
+        from p2p_diloco.averaging import Averager  # the only hivemind users; imported lazily for mocked tests
+        from p2p_diloco.dht import run_prefix, start_dht
+
+        self.dht = start_dht(self.cfg.network)
+        prefix = run_prefix(self.cfg.run.run_id, self.fingerprint)
+        self.averager = Averager(self.dht, self.cfg.averaging, prefix, [p.shape for p in self.global_params],
+                                 client_mode=self.cfg.network.client_mode)
+        self.log.info(f"joined run {self.cfg.run.run_id!r} as {self.averager.peer_id} (group key prefix {prefix})")
+
+    @property
+    def peer_id(self) -> str:
+        return getattr(self.averager, "peer_id", "")
+
+    @property
+    def global_digest(self) -> str:
+        return params_digest(self.global_params)
+
+    # ------------------------------------------------------------------------------------------------ run
+    def run(self) -> None:
+        """Train until ``run.rounds`` rounds are committed or a stop is requested."""
+        while not self.stop_event.is_set() and not self._finished():
+            train_loss, tokens = self._inner_steps(self.cfg.diloco.inner_steps)
+            if self.stop_event.is_set():
+                break
+            result = self._average()
+            committed = result.ok and self._commit(result)
+            if committed:
+                self.tokens_since_commit = 0
+            self._log_round(result, committed, train_loss, tokens)
+            if committed and self.cfg.run.checkpoint_every and self.round % self.cfg.run.checkpoint_every == 0:
+                self.save()
+
+    def _finished(self) -> bool:
+        return self.cfg.run.rounds is not None and self.round >= self.cfg.run.rounds
+
+    def _inner_steps(self, steps: int) -> tuple[float, int]:
+        """H inner steps on θ_local; returns (mean loss, tokens). Stops early, between steps, if asked to."""
+        losses, tokens = [], 0
+        bar = _progress(steps, f"{self.name} r{self.round + 1}", self.cfg.run.progress)
+        for _ in range(steps):
+            if self.stop_event.is_set():
+                break
+            out = self.inner.step(self.data.train.next_batch)
+            losses.append(out.loss)
+            tokens += out.tokens
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{out.loss:.3f}", refresh=False)
+        if bar is not None:
+            bar.close()
+        self.tokens_since_commit += tokens
+        return (sum(losses) / len(losses) if losses else float("nan")), tokens
+
+    def _average(self):
+        from p2p_diloco.averaging import Contribution
+
+        with self.averager.pseudo_grads() as buffers:
+            pseudo_gradient(self.global_params, self.model.parameters(), buffers)
+        weight = self.tokens_since_commit if self.cfg.diloco.weight_by_tokens else 1.0
+        contribution = Contribution(name=self.name, round=self.round, digest=self.global_digest,
+                                    tokens=self.tokens_since_commit)
+        return self.averager.average(contribution, weight)
+
+    def _commit(self, result) -> bool:
+        """Apply the outer step with the averaged Δ, unless Δ is not finite (then every peer rejects it alike)."""
+        with self.averager.pseudo_grads() as averaged:
+            if not all(torch.isfinite(d).all() for d in averaged):
+                result.error = "the averaged pseudo-gradient is not finite: round rejected"
+                return False
+            self.outer.step(self.global_params, averaged, num_contributions=result.group_size)
+        load_into(self.model.parameters(), self.global_params)
+        self.round += 1
+        return True
+
+    def _log_round(self, result, committed: bool, train_loss: float, tokens: int) -> None:
+        record = {"event": "round", "peer": self.name, "round": self.round, "committed": committed,
+                  "outer/group_size": result.group_size, "outer/peers": result.peers, "train/loss": train_loss,
+                  "train/tokens": tokens, "outer/allreduce_s": result.seconds,
+                  "outer/bytes_sent": result.bytes_sent, "outer/bytes_received": result.bytes_received,
+                  "global_params_sha256": self.global_digest, "error": result.error}
+        eval_every = self.cfg.run.eval_every
+        if committed and eval_every and self.round % eval_every == 0:
+            record["eval/loss"] = self._evaluate()
+        self.metrics.log(record)
+        if committed:
+            ev = f", eval {record['eval/loss']:.4f}" if "eval/loss" in record else ""
+            self.log.info(f"round {self.round}: group {result.group_size}, train loss {train_loss:.4f}{ev}, "
+                          f"all-reduce {result.seconds:.2f} s, sent {result.bytes_sent / 1e6:.2f} MB")
+        else:
+            self.log.warning(f"round {self.round + 1} not committed ({result.error}); θ_global kept, "
+                             f"training continues from θ_local")
+
+    def _evaluate(self) -> float:
+        """Held-out loss of θ_global (θ_local equals θ_global whenever this is called)."""
+        return evaluate(self.model, self.data.eval_batches, self.device)
+
+    # ------------------------------------------------------------------------------------------------ state
+    def state(self) -> dict:
+        return {"round": self.round, "name": self.name, "fingerprint": self.fingerprint,
+                "global_params": self.global_params, "outer": self.outer.state_dict(),
+                "model": self.model.state_dict(), "inner": self.inner.state_dict(),
+                "data": self.data.train.state_dict(), "tokens_since_commit": self.tokens_since_commit,
+                "config": asdict(self.cfg)}
+
+    def save(self) -> None:
+        save_checkpoint(self.run_dir, self.state())
+
+    def _resume(self) -> bool:
+        state = load_checkpoint(self.run_dir)
+        if state is None:
+            return False
+        if state["fingerprint"] != self.fingerprint:
+            raise RuntimeError(f"{self.run_dir}: checkpoint is for another model or outer setup "
+                               f"({state['fingerprint']} != {self.fingerprint}); use another run.run_dir")
+        with torch.no_grad():
+            for p, s in zip(self.global_params, state["global_params"], strict=True):
+                p.copy_(s)
+        self.outer.load_state_dict(state["outer"])
+        self.model.load_state_dict(state["model"])
+        self.inner.load_state_dict(state["inner"])
+        self.data.train.load_state_dict(state["data"])
+        self.round, self.tokens_since_commit = state["round"], state["tokens_since_commit"]
+        return True
+
+    # ------------------------------------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Save a checkpoint (if started) and leave the swarm. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if hasattr(self, "inner") and self.cfg.run.checkpoint_every:
+                self.save()
+        finally:
+            if self.averager is not None and hasattr(self.averager, "close"):
+                self.averager.close()
+            if self.dht is not None:
+                self.dht.shutdown()
+            self.metrics.close()
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)

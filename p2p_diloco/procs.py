@@ -1,0 +1,88 @@
+"""Process hygiene: children that die with their parent, and whole process groups ended by PID.
+
+hivemind forks a DHT process and an averager process per peer, and the DHT process starts a Go ``p2pd``. Killing
+only a peer's main process leaves all three running (HIVEMIND.md, fact 3). We ask the kernel to SIGKILL each of them
+when its parent dies (``PR_SET_PDEATHSIG``), and launchers start every peer in its own process group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import sys
+import time
+from typing import Optional
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Make the kernel send ``sig`` to this process when the thread that forked it exits (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    # the parent may have died between fork and prctl: then we were re-parented already
+    if os.getppid() == 1:
+        os.kill(os.getpid(), sig)
+
+
+def subprocesses_die_with_us() -> None:
+    """Make every subprocess later started by asyncio in this process die with it (used for p2pd)."""
+    original = asyncio.subprocess.create_subprocess_exec
+    if getattr(original, "_dies_with_parent", False):
+        return
+
+    async def create_subprocess_exec(*args, **kwargs):
+        kwargs.setdefault("preexec_fn", die_with_parent)
+        return await original(*args, **kwargs)
+
+    create_subprocess_exec._dies_with_parent = True
+    asyncio.subprocess.create_subprocess_exec = create_subprocess_exec
+
+
+def kill_group(pid: int, grace_s: float = 5.0, sig: int = signal.SIGTERM) -> None:
+    """Send ``sig`` to the process group led by ``pid``; SIGKILL whatever is left after ``grace_s`` seconds."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not group_alive(pid):
+            return
+        time.sleep(0.05)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_alive(pgid: int) -> bool:
+    """True if any process (zombies excluded) still belongs to process group ``pgid``."""
+    return bool(group_members(pgid))
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs of live (non-zombie) processes whose process group is ``pgid``, read from /proc."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        stat = _read_stat(int(entry))
+        if stat is not None and stat[1] == pgid and stat[0] != "Z":
+            members.append(int(entry))
+    return members
+
+
+def _read_stat(pid: int) -> Optional[tuple[str, int]]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    # the command name is in parentheses and may contain spaces: split after the last ')'
+    fields = text[text.rfind(")") + 2:].split()
+    return fields[0], int(fields[2])  # state, pgrp

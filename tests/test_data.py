@@ -1,0 +1,245 @@
+"""data.py: tokenizers, the embedded corpus, per-peer order, held-out batches, resume, local files and streams.
+
+Offline: local files are written to tmp_path, and the hub path is exercised by a stand-in ``load_dataset`` that
+streams a local file.
+"""
+
+import io
+import json
+import time
+
+import datasets
+import pytest
+import torch
+
+from p2p_diloco import data as data_mod
+from p2p_diloco.config import ConfigError, DataConfig
+from p2p_diloco.data import (ByteTokenizer, StreamBatches, WindowBatches, build_data, embedded_corpus,
+                             embedded_documents, load_tokenizer)
+
+pytestmark = pytest.mark.timeout(60)
+
+SEQ, BATCH = 32, 4
+
+
+def _docs(n: int = 200) -> list[str]:
+    return [f"document {i} says the quick brown fox jumps over the lazy dog {i * 7919 % 1000} times" for i in range(n)]
+
+
+def _batches(reader, n: int) -> list[torch.Tensor]:
+    return [reader.next_batch() for _ in range(n)]
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------------------------------------- tokenizers, corpus
+
+def test_byte_tokenizer_roundtrip():
+    tok = load_tokenizer("byte")
+    text = "DiLoCo: θ ← θ − ε·Δ, naïve café 🚀"
+    assert tok.vocab_size == 256 and tok.decode(tok.encode(text)) == text
+    assert max(tok.encode(text)) < 256
+    assert tok.encode_documents(["ab", "é"]).tolist() == tok.encode("ab\né\n")
+    assert tok.decode([0xFF]) == "\ufffd"  # invalid UTF-8 is replaced, not raised
+
+
+def test_embedded_corpus_is_large_deterministic_and_fast():
+    embedded_documents.cache_clear()
+    embedded_corpus.cache_clear()
+    start = time.perf_counter()
+    corpus = embedded_corpus()
+    assert time.perf_counter() - start < 2.0
+    assert len(corpus) > 800_000 and "the" in corpus
+    embedded_documents.cache_clear()
+    embedded_corpus.cache_clear()
+    assert embedded_corpus() == corpus
+
+
+def test_embedded_build_is_fast_and_matches_the_corpus():
+    start = time.perf_counter()
+    data = build_data(DataConfig(), seq_len=128, batch_size=8, peer_name="a")
+    assert time.perf_counter() - start < 2.0
+    assert data.vocab_size == 256 and data.train.tokens_per_batch == 8 * 128
+    batch = data.train.next_batch()
+    assert batch.shape == (8, 128) and batch.dtype == torch.long
+    assert ByteTokenizer().decode(batch[0]) in embedded_corpus()
+
+
+# ---------------------------------------------------------------------------------------------- per-peer order
+
+def test_peers_get_different_orders_and_a_name_always_the_same():
+    a1, a2 = (build_data(DataConfig(), SEQ, BATCH, "alice").train for _ in range(2))
+    b = build_data(DataConfig(), SEQ, BATCH, "bob").train
+    first = _batches(a1, 3)
+    assert _equal(first, _batches(a2, 3))
+    assert not _equal(first, _batches(b, 3))
+    other_seed = build_data(DataConfig(seed=1), SEQ, BATCH, "alice").train
+    assert not _equal(first, _batches(other_seed, 3))
+
+
+def test_eval_batches_are_shared_and_held_out():
+    cfg = DataConfig(eval_batches=3)
+    a, b = build_data(cfg, SEQ, BATCH, "alice"), build_data(cfg, SEQ, BATCH, "bob")
+    assert len(a.eval_batches) == 3 and all(x.shape == (BATCH, SEQ) for x in a.eval_batches)
+    assert _equal(a.eval_batches, b.eval_batches)
+    full = torch.from_numpy(ByteTokenizer().encode_documents(list(embedded_documents())))
+    train = a.train.tokens
+    assert torch.equal(train, full[:len(train)])  # training windows are drawn from this prefix only
+    held = bytes(full[len(train):].to(torch.uint8).tolist())
+    assert len(held) >= len(full) * cfg.eval_fraction
+    for window in torch.cat(a.eval_batches):
+        assert held.find(bytes(window.to(torch.uint8).tolist())) >= 0
+
+
+def test_window_reader_resumes_exactly():
+    reader = build_data(DataConfig(), SEQ, BATCH, "alice").train
+    _batches(reader, 5)
+    buffer = io.BytesIO()
+    torch.save(reader.state_dict(), buffer)  # the state survives a checkpoint file
+    expected = _batches(reader, 4)
+    restarted = build_data(DataConfig(), SEQ, BATCH, "alice").train
+    buffer.seek(0)
+    restarted.load_state_dict(torch.load(buffer))
+    assert _equal(_batches(restarted, 4), expected) and restarted.batches == 9
+
+
+# ---------------------------------------------------------------------------------------------- local files
+
+def _write(tmp_path, suffix: str, docs: list[str], field: str = "text"):
+    path = tmp_path / f"corpus{suffix}"
+    if suffix == ".txt":
+        path.write_text("\n".join(docs) + "\n")
+    elif suffix == ".jsonl":
+        path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    else:
+        datasets.Dataset.from_dict({field: docs}).to_parquet(str(path))
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl", ".parquet"])
+def test_local_file_loads_and_holds_out_its_last_documents(tmp_path, suffix):
+    docs = _docs()
+    path = _write(tmp_path, suffix, docs)
+    data = build_data(DataConfig(dataset=str(path), eval_batches=2), SEQ, BATCH, "alice")
+    held = math_ceil(len(docs) * 0.02)
+    expected_train = ByteTokenizer().encode_documents(docs[:-held])
+    assert data.train.tokens.tolist() == expected_train.tolist()
+    assert len(data.eval_batches) == 2 and data.eval_batches[0].shape == (BATCH, SEQ)
+    held_text = "".join(d + "\n" for d in docs[-held:])
+    assert all(ByteTokenizer().decode(w) in held_text for w in torch.cat(data.eval_batches))
+
+
+def math_ceil(x: float) -> int:
+    return -int(-x // 1)
+
+
+def test_local_folder_reads_every_file_in_sorted_order(tmp_path):
+    docs = _docs()
+    for part in range(2):
+        lines = docs[part * 100:(part + 1) * 100]
+        (tmp_path / f"part{part}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in lines))
+    data = build_data(DataConfig(dataset=str(tmp_path), eval_batches=1), SEQ, BATCH, "alice")
+    assert data.train.tokens.tolist() == ByteTokenizer().encode_documents(docs[:-4]).tolist()
+
+
+def test_missing_text_column_is_a_config_error(tmp_path):
+    path = _write(tmp_path, ".jsonl", _docs(), field="content")
+    with pytest.raises(ConfigError, match="data.text_field"):
+        build_data(DataConfig(dataset=str(path)), SEQ, BATCH, "alice")
+    data = build_data(DataConfig(dataset=str(path), text_field="content"), SEQ, BATCH, "alice")
+    assert data.train.next_batch().shape == (BATCH, SEQ)
+
+
+@pytest.mark.parametrize("name", ["missing.jsonl", "./missing", "/no/such/folder"])
+def test_missing_local_path_is_a_config_error(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="data.dataset"):
+        build_data(DataConfig(dataset=name), SEQ, BATCH, "alice")
+
+
+def test_hf_tokenizer_loads_from_a_local_folder(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.train_from_iterator(_docs(), trainers.WordLevelTrainer(special_tokens=["[UNK]", "[EOS]"]))
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", eos_token="[EOS]").save_pretrained(
+        str(tmp_path / "tok"))
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    assert tok.vocab_size == raw.get_vocab_size() and tok.doc_separator == [raw.token_to_id("[EOS]")]
+    assert tok.decode(tok.encode("the lazy dog")) == "the lazy dog"
+    path = _write(tmp_path, ".jsonl", _docs())
+    data = build_data(DataConfig(dataset=str(path), tokenizer=str(tmp_path / "tok"), eval_batches=1), 8, 2, "a")
+    assert data.vocab_size == tok.vocab_size
+    assert int(data.train.next_batch().max()) < tok.vocab_size
+    with pytest.raises(ConfigError, match="data.tokenizer"):
+        load_tokenizer(str(tmp_path / "no-tokenizer"))
+
+
+# ---------------------------------------------------------------------------------------------- hub streams
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    """``datasets.load_dataset('fake/hub', ...)`` streams a local jsonl of 200 numbered documents."""
+    path = _write(tmp_path, ".jsonl", _docs())
+    real = datasets.load_dataset
+    calls = []
+
+    def load_dataset(name, config=None, split=None, streaming=False, **kwargs):
+        if name != "fake/hub":
+            return real(name, config, split=split, streaming=streaming, **kwargs)
+        calls.append((name, config, split, streaming))
+        return real("json", data_files=[str(path)], split="train", streaming=streaming)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return calls
+
+
+def _stream_cfg(**kw) -> DataConfig:
+    return DataConfig(dataset="fake/hub", dataset_config="en", eval_batches=2, **kw)
+
+
+def test_hub_stream_holds_out_its_first_documents_and_shuffles_per_peer(fake_hub):
+    a, b = build_data(_stream_cfg(), SEQ, BATCH, "alice"), build_data(_stream_cfg(), SEQ, BATCH, "bob")
+    assert fake_hub[0] == ("fake/hub", "en", "train", True)
+    assert isinstance(a.train, StreamBatches)
+    assert _equal(a.eval_batches, b.eval_batches)
+    first = "".join(d + "\n" for d in _docs())[:2 * BATCH * SEQ]
+    assert ByteTokenizer().decode(torch.cat(a.eval_batches).flatten()) == first
+    train_a, train_b = _batches(a.train, 3), _batches(b.train, 3)
+    assert not _equal(train_a, train_b)
+    seen = ByteTokenizer().decode(torch.cat(_batches(a.train, 130)).flatten())  # > one epoch of the 200 documents
+    assert a.train.state_dict()["epoch"] == 1
+    assert "document 0 says" not in seen and "document 3 says" not in seen and "document 150 says" in seen
+
+
+def test_hub_stream_resumes_exactly(fake_hub):
+    reader = build_data(_stream_cfg(), SEQ, BATCH, "alice").train
+    _batches(reader, 3)
+    state = reader.state_dict()
+    assert state["offset"] > 0  # resumes in the middle of a document
+    expected = _batches(reader, 130)
+    assert reader.state_dict()["epoch"] == 1  # crossed into the next epoch
+    restarted = build_data(_stream_cfg(), SEQ, BATCH, "alice").train
+    restarted.load_state_dict(state)
+    assert _equal(_batches(restarted, 130), expected)
+
+
+def test_hub_stream_missing_column_is_a_config_error(fake_hub):
+    with pytest.raises(ConfigError, match="data.text_field"):
+        build_data(_stream_cfg(text_field="body"), SEQ, BATCH, "alice")
+
+
+def test_window_and_stream_states_do_not_mix(fake_hub):
+    stream = build_data(_stream_cfg(), SEQ, BATCH, "alice").train
+    windows = build_data(DataConfig(), SEQ, BATCH, "alice").train
+    assert isinstance(windows, WindowBatches)
+    with pytest.raises(ValueError):
+        windows.load_state_dict(stream.state_dict())
+
+
+def test_data_module_does_not_import_hivemind():
+    assert "hivemind" not in open(data_mod.__file__).read()
