@@ -41,8 +41,9 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import (aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip,
                                     enter_asynchronously)
 
+from p2p_diloco import dht as _dht  # noqa: F401  (imported first for its torch sharing-strategy setting)
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.procs import die_with_parent
+from p2p_diloco.procs import become_child_process
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ class CanonicalAverager(DecentralizedAverager):
         super().__init__(*args, compression=CODECS[codec](), **kwargs)
 
     def run(self):
-        die_with_parent()
+        become_child_process()
         super().run()
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, weight: float, **kwargs):

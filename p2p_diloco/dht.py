@@ -12,13 +12,19 @@ import re
 from typing import Optional, Sequence
 
 import hivemind
-from hivemind.utils.multiaddr import Multiaddr
+import torch
 from hivemind.p2p import P2PDaemonError
+from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.config import ConfigError, NetworkConfig
-from p2p_diloco.procs import die_with_parent, subprocesses_die_with_us
+from p2p_diloco.procs import become_child_process, subprocesses_die_with_us
 
 logger = logging.getLogger(__name__)
+
+# hivemind switches torch to the "file_system" sharing strategy on import, which starts a torch_shm_manager daemon
+# that outlives its peer by tens of seconds, outside the peer's process group. What we share (hivemind's future
+# buffers, one averaging buffer per parameter) is shared before forking: file descriptors suffice, leave no daemon.
+torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 
 class JoinError(RuntimeError):
@@ -29,7 +35,7 @@ class DHT(hivemind.DHT):
     """hivemind.DHT whose background process, and the p2pd daemon it starts, die with the process that created it."""
 
     def run(self) -> None:
-        die_with_parent()
+        become_child_process()
         subprocesses_die_with_us()
         super().run()
 

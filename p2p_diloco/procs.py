@@ -18,6 +18,13 @@ from typing import Optional
 _PR_SET_PDEATHSIG = 1
 
 
+def become_child_process() -> None:
+    """First call in a forked helper process (DHT, averager): die with the parent, and do not inherit its SIGTERM
+    handler (the parent's handler only sets a stop flag; here it would make the helper ignore a kill)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    die_with_parent()
+
+
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Make the kernel send ``sig`` to this process when the thread that forked it exits (Linux only)."""
     if not sys.platform.startswith("linux"):
@@ -43,21 +50,22 @@ def subprocesses_die_with_us() -> None:
     asyncio.subprocess.create_subprocess_exec = create_subprocess_exec
 
 
-def kill_group(pid: int, grace_s: float = 5.0, sig: int = signal.SIGTERM) -> None:
-    """Send ``sig`` to the process group led by ``pid``; SIGKILL whatever is left after ``grace_s`` seconds."""
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        return
+def stop_groups(pids: list[int], grace_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
+    """Send ``sig`` to each process-group leader in ``pids`` (each shuts its own children down), then SIGKILL
+    whatever is left of those groups once none is alive or ``grace_s`` seconds have passed."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not group_alive(pid):
-            return
-        time.sleep(0.05)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    while time.monotonic() < deadline and any(group_alive(pid) for pid in pids):
+        time.sleep(0.05)  # no event exists for "another session's process exited": poll /proc briefly
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def group_alive(pgid: int) -> bool:

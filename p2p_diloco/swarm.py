@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from p2p_diloco.metrics import read_jsonl
-from p2p_diloco.procs import kill_group
+from p2p_diloco.procs import stop_groups
 
 # The demo: the tiny model on the embedded corpus, tuned to learn visibly within a few minutes on 2 CPU cores.
 DEMO_DEFAULTS = {
@@ -96,8 +96,8 @@ class LocalSwarm:
     def close(self) -> None:
         """End every process group we started (SIGTERM, then SIGKILL after a grace period)."""
         children = list(self.peers.values()) + ([self.bootstrap] if self.bootstrap else [])
+        stop_groups([child.proc.pid for child in children])
         for child in children:
-            kill_group(child.proc.pid)
             try:
                 child.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:

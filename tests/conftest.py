@@ -1,0 +1,69 @@
+"""Shared fixtures. Every test that starts processes tags them through the environment, and asserts afterwards that
+no process carrying its tag (peers, their DHT and averager processes, p2pd daemons) is left running."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import tempfile
+import time
+import uuid
+
+import pytest
+
+TAG_VAR = "P2P_DILOCO_TEST_TAG"
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``TAG_VAR=tag`` (children inherit it, p2pd too)."""
+    needle = f"{TAG_VAR}={tag}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in env and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture
+def process_tag(monkeypatch):
+    """A unique tag set in this test's environment; at teardown, no tagged process may remain.
+
+    Leftovers fail the test, and are then ended (by PID) so one failure does not poison later tests."""
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(TAG_VAR, tag)
+    socks_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "hivemind-*.sock")))
+    yield tag
+    deadline = time.monotonic() + 5  # daemons told to stop may take a moment to exit
+    while (leftovers := tagged_pids(tag)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    described = {pid: _cmdline(pid) for pid in leftovers}
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    # p2pd's control sockets of processes that were killed hard stay behind: remove only the new ones
+    for sock in set(glob.glob(os.path.join(tempfile.gettempdir(), "hivemind-*.sock"))) - socks_before:
+        try:
+            os.unlink(sock)
+        except OSError:
+            pass
+    assert not leftovers, f"processes left running: {described}"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
