@@ -9,11 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from pathlib import Path
 from typing import Callable, Optional
 
 from p2p_diloco.config import NetworkConfig
-from p2p_diloco.dht import start_dht, visible_maddrs
 
 logger = logging.getLogger("p2p_diloco.bootstrap")
 
@@ -26,8 +24,8 @@ DEFAULTS = {
 def run_bootstrap(cfg: NetworkConfig, stop_event: threading.Event, *, maddrs_file: Optional[str] = None,
                   echo: Callable[[str], None] = print) -> None:
     """Serve the DHT until ``stop_event`` is set. Prints the addresses to give peers and a command to join."""
-    if cfg.identity_path:
-        Path(cfg.identity_path).parent.mkdir(parents=True, exist_ok=True)
+    from p2p_diloco.dht import start_dht, visible_maddrs  # hivemind loads in ~2 s: not for --help or bad input
+
     dht = start_dht(cfg)
     try:
         maddrs = visible_maddrs(dht)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from p2p_diloco.config import ConfigError, describe, dump_toml, load_config, parse_overrides
+from p2p_diloco.errors import JoinError
 
 USAGE_ERROR = 2
 
@@ -33,15 +34,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if unknown:
             raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (config keys look like --section.key=value)")
         return args.func(args, overrides)
-    except ConfigError as e:
-        _fail(str(e))
-    except _JoinError as e:
+    except (ConfigError, JoinError) as e:
         _fail(str(e))
     return USAGE_ERROR
-
-
-class _JoinError(Exception):
-    pass
 
 
 def _fail(message: str) -> None:
@@ -56,17 +51,21 @@ def _parser() -> argparse.ArgumentParser:
                                      epilog="Run 'p2p-diloco COMMAND --help' for a command's options and config keys.")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
 
-    def command(name: str, help_text: str, func, sections: Optional[list[str]]) -> argparse.ArgumentParser:
+    def command(name: str, help_text: str, func, sections: Optional[list[str]],
+                defaults: Optional[dict] = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text,
                            formatter_class=argparse.RawDescriptionHelpFormatter,
                            epilog="config keys (in a TOML file under [section], or as --section.key=value):\n"
-                                  + describe(sections))
+                                  + describe(sections, defaults))
         p.add_argument("--config", metavar="FILE", help="TOML config file; --section.key=value flags override it")
         p.set_defaults(func=func)
         return p
 
+    from p2p_diloco.bootstrap import DEFAULTS as BOOTSTRAP_DEFAULTS
+    from p2p_diloco.swarm import DEMO_DEFAULTS, SET_BY_SWARM
+
     b = command("bootstrap", "Run a DHT-only bootstrap node that peers use to find each other.", _cmd_bootstrap,
-                ["network"])
+                ["network"], BOOTSTRAP_DEFAULTS)
     b.add_argument("--maddrs-file", metavar="FILE", help="also write the node's multiaddrs to FILE")
 
     p = command("peer", "Join a run and train: inner AdamW steps, then a fault-tolerant all-reduce every H steps.",
@@ -75,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="multiaddrs of any live node of the run (same as --network.initial_peers)")
 
     s = command("swarm", "Run a bootstrap node and N peers on 127.0.0.1 (the demo, and the shape of our tests).",
-                _cmd_swarm, None)
+                _cmd_swarm, None, DEMO_DEFAULTS)
     s.add_argument("--peers", type=int, default=3, help="number of peers (default 3)")
     s.add_argument("--rounds", type=int, default=6, help="rounds to train (default 6)")
     s.add_argument("--inner-steps", type=int, default=30, help="H, inner steps per round (default 30)")
@@ -88,27 +87,21 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_bootstrap(args, overrides: dict[str, str]) -> int:
     from p2p_diloco.bootstrap import DEFAULTS, run_bootstrap
-    from p2p_diloco.dht import JoinError
 
     cfg = load_config(args.config, overrides, defaults=DEFAULTS)
     _setup_logging("bootstrap")
     stop = threading.Event()
-    try:
-        # the DHT starts inside run_bootstrap; the handlers below are installed before it blocks on stop
-        _on_stop_signals(stop)
-        run_bootstrap(cfg.network, stop, maddrs_file=args.maddrs_file, echo=lambda s: print(s, flush=True))
-    except JoinError as e:
-        raise _JoinError(str(e)) from None
+    _on_stop_signals(stop)  # the DHT's own process resets these to the default (procs.become_child_process)
+    run_bootstrap(cfg.network, stop, maddrs_file=args.maddrs_file, echo=lambda s: print(s, flush=True))
     return 0
 
 
 def _cmd_peer(args, overrides: dict[str, str]) -> int:
-    from p2p_diloco.dht import JoinError
-    from p2p_diloco.peer import Peer
-
     if args.initial_peers:
         overrides = {"network.initial_peers": args.initial_peers, **overrides}
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)  # bad input fails here, before the slow imports below
+    from p2p_diloco.peer import Peer
+
     peer = Peer(cfg)
     _setup_logging(peer.name)
     try:
@@ -116,16 +109,17 @@ def _cmd_peer(args, overrides: dict[str, str]) -> int:
         # hivemind's averager sets SIGINT to "ignore" in this process when it starts: install ours after it
         _on_stop_signals(peer.stop_event)
         peer.run()
-    except JoinError as e:
-        raise _JoinError(str(e)) from None
     finally:
         peer.close()
     return 0
 
 
 def _cmd_swarm(args, overrides: dict[str, str]) -> int:
-    from p2p_diloco.swarm import DEMO_DEFAULTS, run_swarm
+    from p2p_diloco.swarm import DEMO_DEFAULTS, SET_BY_SWARM, run_swarm
 
+    for key, flag in SET_BY_SWARM.items():
+        if key in overrides:
+            raise ConfigError(f"{key}: set by the swarm itself; use {flag}" if flag else f"{key}: set by the swarm itself")
     for flag in ("peers", "rounds", "inner_steps"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
@@ -135,11 +129,16 @@ def _cmd_swarm(args, overrides: dict[str, str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "peer-config.toml"
     config_path.write_text(dump_toml(cfg))
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # a TERM must end the children too, as Ctrl+C does
     return run_swarm(args.peers, args.rounds, args.inner_steps, str(run_dir), [f"--config={config_path}"],
                      timeout=args.timeout, echo=lambda s: print(s, flush=True))
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
 
 def _on_stop_signals(stop: threading.Event) -> None:
     def handler(signum, frame):

@@ -305,10 +305,10 @@ def parse_overrides(args: list[str]) -> tuple[dict[str, str], list[str]]:
     return overrides, rest
 
 
-def describe(sections: Optional[list[str]] = None) -> str:
-    """Every key with its type, default, unit and help, for ``--help``."""
+def describe(sections: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None) -> str:
+    """Every key with its type, default (a subcommand's own ``defaults`` included), unit and help, for ``--help``."""
     lines = []
-    defaults = Config()
+    defaults = load_config(defaults=defaults)
     for section_name, section_type in SECTIONS.items():
         if sections is not None and section_name not in sections:
             continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 from typing import Optional, Sequence
 
 import hivemind
@@ -17,6 +18,7 @@ from hivemind.p2p import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.config import ConfigError, NetworkConfig
+from p2p_diloco.errors import JoinError
 from p2p_diloco.procs import become_child_process, subprocesses_die_with_us
 
 logger = logging.getLogger(__name__)
@@ -25,10 +27,6 @@ logger = logging.getLogger(__name__)
 # that outlives its peer by tens of seconds, outside the peer's process group. What we share (hivemind's future
 # buffers, one averaging buffer per parameter) is shared before forking: file descriptors suffice, leave no daemon.
 torch.multiprocessing.set_sharing_strategy("file_descriptor")
-
-
-class JoinError(RuntimeError):
-    """This node could not reach any initial peer (or start its transport) within the allowed time."""
 
 
 class DHT(hivemind.DHT):
@@ -51,11 +49,16 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None) -> DHT:
     _check_maddrs("network.initial_peers", cfg.initial_peers)
     _check_maddrs("network.host_maddrs", cfg.host_maddrs)
     _check_maddrs("network.announce_maddrs", cfg.announce_maddrs)
+    if cfg.identity_path:
+        try:
+            Path(cfg.identity_path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"network.identity_path: cannot create {cfg.identity_path}: {e.strerror}") from None
     kwargs = dict(
         initial_peers=list(cfg.initial_peers),
         host_maddrs=list(cfg.host_maddrs),
         announce_maddrs=list(cfg.announce_maddrs) or None,
-        identity_path=cfg.identity_path,
+        identity_path=str(Path(cfg.identity_path).expanduser()) if cfg.identity_path else None,
         client_mode=cfg.client_mode if client_mode is None else client_mode,
         startup_timeout=cfg.join_timeout,
         bootstrap_timeout=cfg.join_timeout,

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from p2p_diloco.checkpoint import load_checkpoint, save_checkpoint
-from p2p_diloco.config import Config
+from p2p_diloco.config import Config, ConfigError
 from p2p_diloco.data import build_data
 from p2p_diloco.inner import InnerTrainer, evaluate, resolve_device, schedule_total_steps
 from p2p_diloco.metrics import JsonlSink, MetricsSink
@@ -89,7 +89,10 @@ class Peer:
         prefix = run_prefix(self.cfg.run.run_id, self.fingerprint)
         self.averager = Averager(self.dht, self.cfg.averaging, prefix, [p.shape for p in self.global_params],
                                  client_mode=self.cfg.network.client_mode)
-        self.log.info(f"joined run {self.cfg.run.run_id!r} as {self.averager.peer_id} (group key prefix {prefix})")
+        from p2p_diloco.dht import visible_maddrs
+
+        self.log.info(f"joined run {self.cfg.run.run_id!r} as {self.averager.peer_id} (group key prefix {prefix}); "
+                      f"others can join through: {' '.join(visible_maddrs(self.dht))}")
 
     @property
     def peer_id(self) -> str:
@@ -194,8 +197,8 @@ class Peer:
         if state is None:
             return False
         if state["fingerprint"] != self.fingerprint:
-            raise RuntimeError(f"{self.run_dir}: checkpoint is for another model or outer setup "
-                               f"({state['fingerprint']} != {self.fingerprint}); use another run.run_dir")
+            raise ConfigError(f"run.run_dir: {self.run_dir} holds a checkpoint of another model or outer setup "
+                              f"({state['fingerprint']} != {self.fingerprint}); use another run.run_dir")
         with torch.no_grad():
             for p, s in zip(self.global_params, state["global_params"], strict=True):
                 p.copy_(s)

@@ -30,6 +30,10 @@ DEMO_DEFAULTS = {
     "averaging.request_timeout": 3.0,
 }
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+# keys the swarm sets for each peer, and the swarm flag (if any) to use instead
+SET_BY_SWARM = {"run.rounds": "--rounds", "diloco.inner_steps": "--inner-steps",
+                "averaging.target_group_size": "--peers", "run.name": None, "run.run_dir": "--run-dir",
+                "network.initial_peers": None, "network.host_maddrs": None}
 
 
 @dataclass

@@ -1,0 +1,115 @@
+"""The round loop with a mocked averaging seam (no network): commit, roll back, reject, checkpoint and resume."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from p2p_diloco.averaging import AverageResult
+from p2p_diloco.config import load_config
+from p2p_diloco.outer import OuterNesterov, params_digest
+from p2p_diloco.peer import Peer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class FakeAverager:
+    """A group of one whose outcome per round is scripted: 'ok', 'fail' or 'nan'. Records every call."""
+
+    peer_id = "fake-peer-id"
+
+    def __init__(self, outcomes):
+        self.outcomes = list(outcomes)
+        self.buffers = None
+        self.calls = []  # (contribution, weight, copy of the pseudo-gradient)
+
+    def bind(self, peer: Peer) -> None:
+        self.buffers = [torch.zeros_like(p) for p in peer.global_params]
+
+    @contextlib.contextmanager
+    def pseudo_grads(self):
+        yield self.buffers
+
+    def average(self, contribution, weight):
+        self.calls.append((contribution, weight, [b.clone() for b in self.buffers]))
+        outcome = self.outcomes.pop(0)
+        if outcome == "fail":
+            return AverageResult(ok=False, error="injected failure")
+        if outcome == "nan":
+            self.buffers[0].view(-1)[0] = float("nan")
+        return AverageResult(ok=True, group_size=1, peers=[contribution.name], tokens=contribution.tokens)
+
+    def close(self):
+        pass
+
+
+def _peer(tmp_path, outcomes, rounds, **extra):
+    overrides = {"model.seq_len": "32", "inner.batch_size": "2", "inner.warmup_steps": "2", "inner.lr": "1e-3",
+                 "diloco.inner_steps": "3", "data.eval_batches": "1", "run.threads": "1", "run.progress": "false",
+                 "run.run_dir": str(tmp_path / "run"), "run.name": "p0", "run.rounds": str(rounds), **extra}
+    fake = FakeAverager(outcomes)
+    peer = Peer(load_config(overrides=overrides), averager=fake).start()
+    fake.bind(peer)  # the buffers take the model's shapes, known once the peer has started
+    return peer, fake
+
+
+def test_commit_applies_the_nesterov_step_to_the_averaged_pseudo_gradient(tmp_path):
+    peer, fake = _peer(tmp_path, ["ok", "ok"], rounds=2)
+    theta0 = [p.clone() for p in peer.global_params]
+    peer.run()
+    reference = [p.clone() for p in theta0]
+    outer = OuterNesterov(reference, 0.7, 0.9)
+    for _, _, delta in fake.calls:
+        outer.step(reference, delta)
+    assert peer.round == 2
+    assert params_digest(peer.global_params) == params_digest(reference)
+    assert params_digest(peer.model.parameters()) == params_digest(peer.global_params)  # θ_local ← θ_global
+    # each round's contribution is relative to the θ_global of its round, weighted by the tokens behind it
+    assert [c.round for c, _, _ in fake.calls] == [0, 1]
+    assert all(w == c.tokens == 3 * 2 * 32 for c, w, _ in fake.calls)
+    peer.close()
+
+
+def test_failed_round_keeps_theta_global_and_carries_the_work_forward(tmp_path):
+    peer, fake = _peer(tmp_path, ["fail", "ok"], rounds=1)
+    theta0 = params_digest(peer.global_params)
+    peer.run()
+    (first, w1, delta1), (second, w2, delta2) = fake.calls
+    assert first.round == second.round == 0, "a failed round must not advance θ_global's version"
+    assert first.digest == second.digest == theta0
+    assert second.tokens == 2 * first.tokens and w2 == 2 * w1   # the next contribution carries both rounds' work
+    # θ_local was not reset after the failure: the second pseudo-gradient covers all six inner steps
+    assert not torch.equal(delta2[0], delta1[0])
+    assert peer.round == 1
+    peer.close()
+
+
+def test_non_finite_average_is_rejected(tmp_path):
+    peer, fake = _peer(tmp_path, ["nan", "ok"], rounds=1)
+    theta0 = params_digest(peer.global_params)
+    peer.run()
+    assert fake.calls[1][0].digest == theta0, "a NaN average must not touch θ_global"
+    assert all(torch.isfinite(p).all() for p in peer.global_params)
+    peer.close()
+
+
+def test_checkpoint_resume_continues_from_the_saved_round(tmp_path):
+    peer, _ = _peer(tmp_path, ["ok", "ok"], rounds=2)
+    peer.run()
+    peer.close()  # saves
+    saved = (params_digest(peer.global_params), params_digest(peer.outer.state_tensors()),
+             peer.data.train.state_dict(), peer.inner.step_count)
+
+    resumed, fake = _peer(tmp_path, ["ok"], rounds=3)
+    assert resumed.round == 2
+    assert params_digest(resumed.global_params) == saved[0]
+    assert params_digest(resumed.outer.state_tensors()) == saved[1]
+    assert resumed.inner.step_count == saved[3]
+    assert str(resumed.data.train.state_dict()) == str(saved[2])
+    resumed.run()
+    assert resumed.round == 3 and fake.calls[0][0].round == 2
+    resumed.close()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"event": "start"' in line for line in lines) == 1, "a resumed peer does not start over"

@@ -1,0 +1,73 @@
+"""Whole swarms of real processes on loopback, through the `p2p-diloco swarm` command."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from p2p_diloco.metrics import read_jsonl
+
+
+def _swarm(run_dir, *args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "p2p_diloco", "swarm", "--run-dir", str(run_dir), *args],
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _assert_rounds_agree(summary, rounds, group_size):
+    assert [r["round"] for r in summary["rounds"]] == list(range(1, rounds + 1))
+    for r in summary["rounds"]:
+        assert r["group_size"] == group_size
+        hashes = r["global_params_sha256"]
+        assert len(hashes) == group_size, f"round {r['round']}: only {sorted(hashes)} committed"
+        assert len(set(hashes.values())) == 1, f"round {r['round']}: θ_global differs between peers: {hashes}"
+
+
+@pytest.mark.timeout(300)
+def test_three_peers_agree_after_every_round_learn_and_leave_nothing(tmp_path, process_tag):
+    out = _swarm(tmp_path, "--peers", "3", "--rounds", "3", "--inner-steps", "15")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    _assert_rounds_agree(summary, rounds=3, group_size=3)
+    assert summary["rounds"][-1]["eval_loss"] < summary["initial_eval_loss"] - 1.0
+    assert all(r["bytes_sent"] > 0 and r["allreduce_s"] > 0 for r in summary["rounds"])
+    assert sorted(p["name"] for p in summary["peers"]) == ["peer0", "peer1", "peer2"]
+    assert all(p["rounds_completed"] == 3 and p["peer_id"] for p in summary["peers"])
+    assert "equal" in out.stdout and "DIFFER" not in out.stdout  # the per-round table
+    # process_tag's teardown asserts that no peer, DHT, averager or p2pd process is left
+
+
+@pytest.mark.timeout(300)
+def test_restarted_swarm_resumes_from_checkpoints(tmp_path, process_tag):
+    first = _swarm(tmp_path, "--peers", "2", "--rounds", "2", "--inner-steps", "8")
+    assert first.returncode == 0, first.stdout[-3000:]
+    after_first = json.loads((tmp_path / "summary.json").read_text())["rounds"][-1]["global_params_sha256"]
+
+    second = _swarm(tmp_path, "--peers", "2", "--rounds", "4", "--inner-steps", "8")
+    assert second.returncode == 0, second.stdout[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    _assert_rounds_agree(summary, rounds=4, group_size=2)
+    assert summary["rounds"][1]["global_params_sha256"] == after_first
+    for name in ("peer0", "peer1"):
+        assert "resumed at round 2" in (tmp_path / f"{name}.log").read_text()
+        records = read_jsonl(tmp_path / name / "metrics.jsonl")
+        committed = [r["round"] for r in records if r.get("event") == "round" and r["committed"]]
+        assert committed == [1, 2, 3, 4], "the restarted peer must continue at round 3, not start over"
+
+
+@pytest.mark.timeout(180)
+def test_interrupted_swarm_leaves_no_process(tmp_path, process_tag):
+    proc = subprocess.Popen([sys.executable, "-m", "p2p_diloco", "swarm", "--run-dir", str(tmp_path), "--peers", "2",
+                             "--rounds", "50", "--inner-steps", "10"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:  # wait until the first round is in the table: every process is up and averaging
+        if line.strip().startswith("1 "):
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    assert "interrupted" in rest
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rounds"] and summary["rounds"][0]["round"] == 1
