@@ -25,24 +25,28 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import AsyncIterator, Iterator, Optional, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import (Float16Compression, NoCompression, ScaledFloat16Compression,
                                   deserialize_torch_tensor, serialize_torch_tensor)
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import (aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip,
                                     enter_asynchronously)
+from hivemind.utils.streaming import combine_from_streaming
 
 from p2p_diloco import dht as _dht  # noqa: F401  (imported first for its torch sharing-strategy setting)
 from p2p_diloco.config import AveragingConfig
+from p2p_diloco.consensus import majority_state
 from p2p_diloco.procs import become_child_process
 
 logger = logging.getLogger(__name__)
@@ -80,22 +84,23 @@ def choose_participants(contributions: Sequence[Contribution]) -> list[int]:
     Pure and deterministic: every member evaluates it on the same gathered list and gets the same answer. Ties go to
     the higher round, then to the smaller digest. Members with no tokens contribute nothing.
     """
-    classes = Counter((c.round, c.digest) for c in contributions)
-    best = max(classes, key=lambda k: (classes[k], k[0], [-ord(ch) for ch in k[1]]))
+    best = majority_state([(c.round, c.digest) for c in contributions])
     return [i for i, c in enumerate(contributions) if (c.round, c.digest) == best and c.tokens > 0]
 
 
 class CanonicalAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose reducers stream the encoded average itself; any lost part fails the whole run."""
 
-    def __init__(self, *, codec_type, **kwargs):
+    def __init__(self, *, codec_type, fault=None, **kwargs):
         super().__init__(**kwargs)
         self.codec_type = codec_type
+        self.fault = fault  # faults.Fault to strike once this reducer has streamed an averaged part (tests)
         self.tensor_part_container.return_deltas = False
         self.failed_reducers: set = set()
         self.bytes_sent = 0
         self.bytes_received = 0
         self._encoded_averages: dict[int, asyncio.Future] = {}
+        self._parts_received = [0] * len(self.ordered_peer_ids)  # averaged parts registered, by reducer index
 
     async def _encode_average(self, part_index: int, averaged: torch.Tensor):
         """Encode the average of one of our parts once; every recipient (us included) gets these same bytes."""
@@ -116,8 +121,13 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             else:
                 await self._exchange_with_reducer(peer_id, peer_index)
         except BaseException as e:
+            complete = self._parts_received[peer_index] == self.tensor_part_container.num_parts_by_peer[peer_index]
+            if complete and isinstance(e, Exception):
+                # every part of this reducer arrived; the error came later (e.g. as the stream closed)
+                logger.debug(f"{self}: reducer {peer_id} complete, then {e!r}")
+                return
             if isinstance(e, Exception):
-                logger.debug(f"{self}: lost part of reducer {peer_id}: {e!r}")
+                logger.warning(f"lost parts {self._parts_received[peer_index]}+ of reducer {peer_id}: {e!r}")
             self.failed_reducers.add(peer_id)
             self.tensor_part_container.register_failed_reducer(peer_index)  # unblocks output iteration; round fails
             raise
@@ -131,6 +141,7 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             encoded = await self._encode_average(part_index, averaged)
             decoded = await loop.run_in_executor(None, deserialize_torch_tensor, encoded)
             self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
+            self._parts_received[peer_index] += 1
 
     async def _exchange_with_reducer(self, peer_id, peer_index: int) -> None:
         done_sending = asyncio.Event()
@@ -149,6 +160,7 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         async for averaged in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
                                                max_prefetch=self.tensor_part_container.prefetch):
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+            self._parts_received[peer_index] += 1
             part_index += 1
         expected = self.tensor_part_container.num_parts_by_peer[peer_index]
         if part_index != expected:
@@ -161,7 +173,7 @@ class CanonicalAllReduceRunner(AllReduceRunner):
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         """Reducer side: average each part over all senders, then stream the encoded average back to this sender."""
-        part_index = 0
+        part_index, ended = 0, "input ended"
         try:
             async for part, weight in amap_in_executor(
                     lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight), stream,
@@ -172,6 +184,7 @@ class CanonicalAllReduceRunner(AllReduceRunner):
                     averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
                                                                               weight=weight)
                 except BannedException:
+                    ended = "sender banned"
                     break
                 if self.banned_senders:  # this part may now be averaged over fewer senders: serve nothing more
                     yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
@@ -180,17 +193,26 @@ class CanonicalAllReduceRunner(AllReduceRunner):
                 part_index += 1
                 self.bytes_sent += len(encoded.buffer)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+                if self.fault is not None:
+                    self.fault.strike()
+        except BaseException as e:
+            ended = repr(e)  # GeneratorExit: the transport stopped reading; CancelledError: the stream was closed
+            raise
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
+                logger.warning(f"reducer: stream to sender {self.sender_peer_ids[sender_index]} ended after "
+                               f"{part_index} of {self.tensor_part_reducer.num_parts} parts ({ended})")
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
 class CanonicalAverager(DecentralizedAverager):
     """DecentralizedAverager running :class:`CanonicalAllReduceRunner`; its process dies with its parent."""
 
-    def __init__(self, *args, codec: str, min_participants: int, **kwargs):
+    def __init__(self, *args, codec: str, min_participants: int, fault=None, **kwargs):
         self._codec_type = CODECS[codec].compression_type
         self._min_participants = min_participants
+        self._fault = fault
+        self.state_provider = None  # set in the host process: () -> (metadata dict, tensors)
         super().__init__(*args, compression=CODECS[codec](), **kwargs)
 
     def run(self):
@@ -212,10 +234,11 @@ class CanonicalAverager(DecentralizedAverager):
             download_bandwidths = [b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)]
             peer_fractions = await asyncio.get_event_loop().run_in_executor(
                 None, load_balance_peers, self.total_size, download_bandwidths, min_vector_size)
+            fault = self._fault if self._fault and self._fault.due("allreduce", contributions[me].round + 1) else None
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 sent, received = await self._run_allreduce_inplace_(
                     local_tensors, group_info, peer_fractions=peer_fractions,
-                    weight=weight if me in members else 0.0, **kwargs)
+                    weight=weight if me in members else 0.0, fault=fault, **kwargs)
             return dict(summary, bytes_sent=sent, bytes_received=received)
         except BaseException as e:
             raise MatchmakingException(f"all-reduce failed: {e!r}") from None
@@ -232,6 +255,63 @@ class CanonicalAverager(DecentralizedAverager):
             raise AllreduceException(f"lost parts of reducer(s) {sorted(map(str, runner.failed_reducers))}")
         return runner.bytes_sent, runner.bytes_received
 
+    # ------------------------------------------------------------------------------------------ state for joiners
+    def get_current_state(self):
+        """Runs in the host process (hivemind's state thread): a consistent snapshot of θ_global and momentum."""
+        if self.state_provider is None:
+            raise RuntimeError("no state to serve yet")
+        metadata, tensors = self.state_provider()
+        return metadata, tensors, None
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        served = 0
+        async for message in super().rpc_download_state(request, context):
+            yield message
+            served += 1
+            if self._fault is not None and served == 1 and self._fault.phase == "serving":
+                self._fault.strike()  # armed only in the round it names: see Averager.arm_serving_fault
+
+    async def _download_state(self, future, donors: list, timeout: float):
+        """Try ``donors`` (base58 peer ids) in order; resolve ``future`` with (metadata, tensors, donor) or None."""
+        try:
+            for donor in donors:
+                try:
+                    result = await asyncio.wait_for(self._download_from(PeerID.from_base58(donor)), timeout)
+                except Exception as e:
+                    logger.warning(f"state download from {donor} failed: {e!r}")
+                    continue
+                if result is not None:
+                    future.set_result((*result, donor))
+                    return
+            future.set_result(None)
+        except BaseException as e:
+            if not future.done():
+                future.set_exception(e)
+            raise
+
+    async def _download_from(self, donor):
+        stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, parts, tensors = None, [], []
+        async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout):
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return (metadata, tensors) if metadata is not None else None
+
+    async def _arm_fault(self, fault):
+        self._fault = fault
+
+    async def _set_target_group_size(self, size: int):
+        self._matchmaking.target_group_size = size
+        self._matchmaking.potential_leaders.target_group_size = size
+
 
 class Averager:
     """The averaging seam used by a peer: shared pseudo-gradient buffers and one ``average()`` call per round.
@@ -242,16 +322,20 @@ class Averager:
     """
 
     def __init__(self, dht, cfg: AveragingConfig, prefix: str, shapes: Sequence[torch.Size], *,
-                 client_mode: bool = False, expected_group_size: Optional[int] = None):
+                 client_mode: bool = False, expected_group_size: Optional[int] = None, fault=None):
         self.cfg = cfg
+        self.client_mode = client_mode
+        self.fault = fault
         buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
         self._averager = CanonicalAverager(
             buffers, dht, start=True, prefix=prefix, codec=cfg.codec, min_participants=cfg.min_group_size,
+            fault=fault if fault is not None and fault.phase == "allreduce" else None,
             target_group_size=expected_group_size or cfg.target_group_size, min_group_size=cfg.min_group_size,
             min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
             allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
             part_size_bytes=cfg.part_size_bytes, client_mode=client_mode, allow_state_sharing=False,
             shutdown_timeout=5)
+        self._group_size = expected_group_size or cfg.target_group_size
 
     @property
     def peer_id(self) -> str:
@@ -275,6 +359,8 @@ class Averager:
         try:
             control = self._averager.step(gather=asdict(contribution), weight=float(weight), wait=False,
                                           timeout=self.matchmaking_timeout, allow_retries=False)
+            if self.fault is not None and self.fault.due("matchmaking", contribution.round + 1):
+                self._strike_in_matchmaking(control)
             out = control.result(timeout=self.matchmaking_timeout + self.cfg.allreduce_timeout + 10)
         except BaseException as e:
             if control is not None and not control.done():
@@ -289,6 +375,52 @@ class Averager:
         if not out["member_of"]:
             result.stale, result.error = True, f"the group averaged round {out['group_round']} of another θ_global"
         return result
+
+    def serve_state(self, provider, round_: int) -> None:
+        """Offer our state to joiners: ``provider() -> (metadata, tensors)``; donors of later rounds are preferred."""
+        if self.client_mode:
+            return  # unreachable peers cannot serve
+        self._averager.state_provider = provider
+        self._averager.state_sharing_priority = float(round_ + 1)
+        self._averager.allow_state_sharing = True
+        if self.fault is not None and self.fault.phase == "serving" and round_ + 1 >= self.fault.round:
+            # the averager process holds its own copy of the fault: arm it there for this round only
+            self._averager._outer_pipe.send(("_arm_fault", [], dict(fault=self.fault)))
+
+    def stop_serving(self) -> None:
+        if self._averager.allow_state_sharing:
+            self._averager.allow_state_sharing = False
+
+    def download_state(self, donors: Sequence[str]):
+        """Fetch (metadata, tensors, donor) from the first of ``donors`` that answers; None if none did.
+
+        Each donor gets ``averaging.state_timeout`` seconds; at most ``averaging.state_attempts`` donors are tried.
+        """
+        donors = list(donors)[: self.cfg.state_attempts]
+        if not donors:
+            return None
+        future = MPFuture()
+        self._averager._outer_pipe.send(("_download_state", [], dict(future=future, donors=donors,
+                                                                       timeout=self.cfg.state_timeout)))
+        try:
+            return future.result(timeout=self.cfg.state_timeout * len(donors) + 10)
+        except Exception as e:
+            logger.warning(f"state download failed: {_one_line(e)}")
+            return None
+
+    def set_group_size(self, size: int) -> None:
+        """Start each round's all-reduce as soon as ``size`` peers (the live roster) have gathered."""
+        size = max(self.cfg.min_group_size, min(size, self.cfg.target_group_size))
+        if size != self._group_size:
+            self._group_size = size
+            self._averager._outer_pipe.send(("_set_target_group_size", [], dict(size=size)))
+
+    def _strike_in_matchmaking(self, control) -> None:
+        """Fault injection: fail while the averager looks for a group (declared in the DHT, or being joined)."""
+        while control.stage == AveragingStage.IDLE and not control.done():
+            time.sleep(0.01)  # the stage lives in the averager process; it changes within milliseconds
+        time.sleep(0.2)  # let the declaration reach the DHT, so that others may be grouping with us
+        self.fault.strike()
 
     def close(self) -> None:
         if self._averager.is_alive():

@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--inner-steps", type=int, default=30, help="H, inner steps per round (default 30)")
     s.add_argument("--run-dir", default="runs/swarm", help="folder for logs, metrics, checkpoints and summary.json")
     s.add_argument("--timeout", type=float, default=None, help="stop the swarm after this many seconds")
+    s.add_argument("--chaos", type=int, default=None, metavar="SEED",
+                   help="inject seeded failures: SIGKILLs during an all-reduce, inner steps or matchmaking and "
+                        "while serving state, a graceful leave, two joins, a bootstrap kill (needs --peers >= 3, "
+                        "--rounds >= 6)")
     return parser
 
 
@@ -117,12 +121,14 @@ def _cmd_peer(args, overrides: dict[str, str]) -> int:
 def _cmd_swarm(args, overrides: dict[str, str]) -> int:
     from p2p_diloco.swarm import DEMO_DEFAULTS, SET_BY_SWARM, run_swarm
 
-    for key, flag in SET_BY_SWARM.items():
+    for key, flag in SET_BY_SWARM.items():  # per-peer keys
         if key in overrides:
             raise ConfigError(f"{key}: set by the swarm itself; use {flag}" if flag else f"{key}: set by the swarm itself")
     for flag in ("peers", "rounds", "inner_steps"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    if args.chaos is not None and (args.peers < 3 or args.rounds < 6):
+        raise ConfigError("--chaos: needs --peers >= 3 and --rounds >= 6")
     # validate everything before starting a single process; peers then read one effective config file
     cfg = load_config(args.config, overrides, defaults=DEMO_DEFAULTS)
     run_dir = Path(args.run_dir)
@@ -131,7 +137,7 @@ def _cmd_swarm(args, overrides: dict[str, str]) -> int:
     config_path.write_text(dump_toml(cfg))
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # a TERM must end the children too, as Ctrl+C does
     return run_swarm(args.peers, args.rounds, args.inner_steps, str(run_dir), [f"--config={config_path}"],
-                     timeout=args.timeout, echo=lambda s: print(s, flush=True))
+                     timeout=args.timeout, chaos=args.chaos, echo=lambda s: print(s, flush=True))
 
 
 # ---------------------------------------------------------------------------------------------- helpers

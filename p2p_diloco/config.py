@@ -113,6 +113,13 @@ class AveragingConfig:
     request_timeout: float = _f(5.0, "one DHT or matchmaking request; keep below matchmaking_time", "s",
                                 _positive, "must be > 0")
     part_size_bytes: int = _f(2 ** 19, "streaming chunk of a part", "bytes", _positive, "must be > 0")
+    state_timeout: float = _f(120.0, "one donor's whole state transfer to a joining or repairing peer, before the "
+                              "next donor is tried; raise for large models on slow links", "s", _positive,
+                              "must be > 0")
+    state_attempts: int = _f(3, "donors tried before a state download gives up (it is retried next round)",
+                             "donors", _positive, "must be > 0")
+    roster_ttl: float = _f(30.0, "how long a peer's roster entry outlives its last heartbeat; a dead peer stops "
+                           "counting after this", "s", _positive, "must be > 0")
 
 
 @dataclass
@@ -145,7 +152,29 @@ class RunConfig:
     threads: Optional[int] = _f(None, "torch CPU threads; None: torch's default", "threads", _positive,
                                 "must be > 0")
     progress: bool = _f(True, "show a progress bar for inner steps")
+    expected_peers: int = _f(1, "before round 1, wait until this many peers (this one included) are in the run",
+                             "peers", _positive, "must be > 0")
+    expected_peers_timeout: float = _f(300.0, "give up waiting for expected_peers after this long and start",
+                                       "s", _positive, "must be > 0")
     seed: int = _f(0, "seed of the initial θ_global (must match across peers) and of dropout")
+
+
+def _valid_fault(text) -> bool:
+    from p2p_diloco.faults import parse_fault
+
+    try:
+        parse_fault(text, main_pid=0)
+        return True
+    except ValueError:
+        return False
+
+
+@dataclass
+class FaultConfig:
+    """Testing only: make this peer fail on purpose (see p2p_diloco/faults.py)."""
+    inject: Optional[str] = _f(None, "'kill:PHASE:ROUND' or 'stall:PHASE:ROUND', PHASE one of inner, matchmaking, "
+                               "allreduce, serving", check=_valid_fault,
+                               rule="expected ACTION:PHASE:ROUND, e.g. kill:allreduce:3")
 
 
 @dataclass
@@ -157,6 +186,7 @@ class Config:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

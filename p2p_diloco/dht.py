@@ -2,13 +2,15 @@
 
 Keys (all under the run's prefix ``{run_id}_{fingerprint}``, so runs and model shapes never mix):
   * ``{prefix}.0b...``           hivemind matchmaking (written by hivemind's averager)
-  * ``{prefix}.all_averagers``   state donors (written by hivemind's averager)
+  * ``{prefix}.all_averagers``   state donors, priority = round (written by hivemind's averager)
+  * ``{prefix}.roster``          every peer's PeerStatus (round, digest of θ_global and momentum, leaving)
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -16,8 +18,10 @@ import hivemind
 import torch
 from hivemind.p2p import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.config import ConfigError, NetworkConfig
+from p2p_diloco.consensus import PeerStatus
 from p2p_diloco.errors import JoinError
 from p2p_diloco.procs import become_child_process, subprocesses_die_with_us
 
@@ -92,3 +96,40 @@ def _check_maddrs(key: str, maddrs: Sequence[str]) -> None:
             Multiaddr(maddr)
         except Exception as e:  # the multiaddr library raises several unrelated types
             raise ConfigError(f"{key}: invalid multiaddr {maddr!r}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------- the roster
+# {prefix}.roster: one subkey per peer id, value = asdict(PeerStatus), expiring unless refreshed (heartbeat).
+
+def roster_key(prefix: str) -> str:
+    return f"{prefix}.roster"
+
+
+def publish_status(dht: hivemind.DHT, prefix: str, status: PeerStatus, ttl: float, timeout: float) -> bool:
+    """Store this peer's status for ``ttl`` seconds; False if the DHT did not confirm within ``timeout`` seconds."""
+    future = dht.store(roster_key(prefix), subkey=status.peer_id, value=asdict(status),
+                       expiration_time=get_dht_time() + ttl, return_future=True)
+    try:
+        return bool(future.result(timeout=timeout))
+    except Exception as e:  # a DHT hiccup must never crash a peer: the status is refreshed by the next heartbeat
+        logger.debug(f"publishing status failed: {e!r}")
+        return False
+
+
+def read_roster(dht: hivemind.DHT, prefix: str, timeout: float) -> list[PeerStatus]:
+    """Every unexpired peer status of the run (malformed entries are skipped); [] if the DHT does not answer."""
+    future = dht.get(roster_key(prefix), latest=True, return_future=True)
+    try:
+        found = future.result(timeout=timeout)
+    except Exception as e:
+        logger.debug(f"reading the roster failed: {e!r}")
+        return []
+    if found is None or not isinstance(found.value, dict):
+        return []
+    roster = []
+    for entry in found.value.values():
+        try:
+            roster.append(PeerStatus(**entry.value))
+        except (TypeError, AttributeError):
+            continue
+    return roster

@@ -33,9 +33,22 @@ def load_into(local_params: Iterable[torch.Tensor], global_params: Sequence[torc
 def params_digest(tensors: Iterable[torch.Tensor]) -> str:
     """sha256 (hex) of the raw bytes of ``tensors`` in order: equal digests mean bit-identical parameters."""
     h = hashlib.sha256()
+    _update(h, tensors)
+    return h.hexdigest()
+
+
+def state_digests(params: Sequence[torch.Tensor], optimizer_state: Sequence[torch.Tensor]) -> tuple[str, str]:
+    """(digest of θ_global, digest of θ_global followed by the outer optimizer state), hashing θ only once."""
+    h = hashlib.sha256()
+    _update(h, params)
+    params_hex = h.hexdigest()
+    _update(h, optimizer_state)
+    return params_hex, h.hexdigest()
+
+
+def _update(h, tensors: Iterable[torch.Tensor]) -> None:
     for t in tensors:
         h.update(t.detach().contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()
 
 
 class OuterOptimizer(abc.ABC):

@@ -1,8 +1,9 @@
 """A DiLoCo peer: start → run → close. ``Peer.run`` owns the round loop.
 
-One round: H inner AdamW steps on θ_local; δ = θ_global − θ_local into the averager's buffers; canonical all-reduce;
-if the round is good, the outer step on θ_global and θ_local ← θ_global (commit); otherwise θ_global is left untouched
-and training continues from θ_local, so the next round's pseudo-gradient carries this round's work too (roll back).
+One round: check that our θ_global is the run's (else fetch it from a peer that has it); H inner AdamW steps on
+θ_local; δ = θ_global − θ_local into the averager's buffers; canonical all-reduce; if the round is good, the outer
+step on θ_global and θ_local ← θ_global (commit); otherwise θ_global is left untouched and training continues from
+θ_local, so the next round's pseudo-gradient carries this round's work too (roll back).
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import torch
 
 from p2p_diloco.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.config import Config, ConfigError
+from p2p_diloco.consensus import PeerStatus, sync_target
 from p2p_diloco.data import build_data
+from p2p_diloco.faults import parse_fault
 from p2p_diloco.inner import InnerTrainer, evaluate, resolve_device, schedule_total_steps
 from p2p_diloco.metrics import JsonlSink, MetricsSink
 from p2p_diloco.model import build_model, count_parameters, model_fingerprint
-from p2p_diloco.outer import build_outer_optimizer, load_into, params_digest, pseudo_gradient
+from p2p_diloco.outer import build_outer_optimizer, load_into, pseudo_gradient, state_digests
 
 logger = logging.getLogger("p2p_diloco")
 
@@ -39,12 +42,16 @@ class Peer:
         self.run_dir = Path(cfg.run.run_dir)
         self.stop_event = stop_event or threading.Event()
         self.averager = averager
+        self.fault = parse_fault(cfg.fault.inject)
         self.dht = None
+        self.prefix = ""
         self.round = 0                 # rounds committed: the version of θ_global
         self.tokens_since_commit = 0   # weight of the next contribution
         self.metrics: MetricsSink = MetricsSink()
         self.log = logger
-        self._closed = False
+        self._state_lock = threading.Lock()  # θ_global, momentum and round change together, under this lock
+        self._closed = threading.Event()
+        self._heartbeat: Optional[threading.Thread] = None
 
     # ------------------------------------------------------------------------------------------------ start
     def start(self) -> "Peer":
@@ -61,6 +68,7 @@ class Peer:
         self.inner = InnerTrainer(self.model, cfg.inner, self.device, total)
         self.fingerprint = self._fingerprint()
         resumed = self._resume()
+        self._refresh_digests()
         self.metrics = JsonlSink(self.run_dir / "metrics.jsonl")
         if self.averager is None:
             self._join_swarm()
@@ -68,10 +76,12 @@ class Peer:
                       f"device {self.device}, {'resumed at' if resumed else 'starting at'} round {self.round}")
         if not resumed:
             eval_loss = self._evaluate()
-            self.metrics.log({"event": "start", "run_id": self.cfg.run.run_id, "peer": self.name, "peer_id": self.peer_id, "round": self.round,
-                              "eval/loss": eval_loss, "global_params_sha256": self.global_digest,
-                              "fingerprint": self.fingerprint})
+            self.metrics.log({"event": "start", "run_id": self.cfg.run.run_id, "peer": self.name,
+                              "peer_id": self.peer_id, "round": self.round, "eval/loss": eval_loss,
+                              "global_params_sha256": self.global_digest, "fingerprint": self.fingerprint})
             self.log.info(f"initial eval loss {eval_loss:.4f}")
+        if self.dht is not None:
+            self._wait_for_expected_peers()
         return self
 
     def _fingerprint(self) -> str:
@@ -83,36 +93,49 @@ class Peer:
 
     def _join_swarm(self) -> None:
         from p2p_diloco.averaging import Averager  # the only hivemind users; imported lazily for mocked tests
-        from p2p_diloco.dht import run_prefix, start_dht
+        from p2p_diloco.dht import run_prefix, start_dht, visible_maddrs
 
         self.dht = start_dht(self.cfg.network)
-        prefix = run_prefix(self.cfg.run.run_id, self.fingerprint)
-        self.averager = Averager(self.dht, self.cfg.averaging, prefix, [p.shape for p in self.global_params],
-                                 client_mode=self.cfg.network.client_mode)
-        from p2p_diloco.dht import visible_maddrs
+        self.prefix = run_prefix(self.cfg.run.run_id, self.fingerprint)
+        self.averager = Averager(self.dht, self.cfg.averaging, self.prefix, [p.shape for p in self.global_params],
+                                 client_mode=self.cfg.network.client_mode, fault=self.fault)
+        maddrs = visible_maddrs(self.dht)
+        (self.run_dir / "maddrs.txt").write_text("\n".join(maddrs) + "\n")
+        self.log.info(f"joined run {self.cfg.run.run_id!r} as {self.averager.peer_id} (group key prefix "
+                      f"{self.prefix}); others can join through: {' '.join(maddrs)}")
+        self.averager.serve_state(self._donate_state, self.round)
+        self._publish_status()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="roster-heartbeat", daemon=True)
+        self._heartbeat.start()
 
-        self.log.info(f"joined run {self.cfg.run.run_id!r} as {self.averager.peer_id} (group key prefix {prefix}); "
-                      f"others can join through: {' '.join(visible_maddrs(self.dht))}")
+    def _wait_for_expected_peers(self) -> None:
+        """Roster: before round 1, wait (bounded) until ``run.expected_peers`` peers are in the run."""
+        expected = self.cfg.run.expected_peers
+        if expected <= 1 or self.round > 0:
+            return
+        deadline = time.monotonic() + self.cfg.run.expected_peers_timeout
+        while not self.stop_event.is_set() and time.monotonic() < deadline:
+            present = len(self._live_roster())
+            if present >= expected:
+                return
+            self.log.info(f"waiting for peers: {present} of {expected} present")
+            self.stop_event.wait(1.0)  # the roster lives in the DHT: there is no event to wait on, so poll
+        self.log.warning(f"starting without the {expected} expected peers")
 
     @property
     def peer_id(self) -> str:
         return getattr(self.averager, "peer_id", "")
 
-    @property
-    def global_digest(self) -> str:
-        return params_digest(self.global_params)
-
     # ------------------------------------------------------------------------------------------------ run
     def run(self) -> None:
         """Train until ``run.rounds`` rounds are committed or a stop is requested."""
         while not self.stop_event.is_set() and not self._finished():
+            self._sync()
             train_loss, tokens = self._inner_steps(self.cfg.diloco.inner_steps)
             if self.stop_event.is_set():
                 break
             result = self._average()
             committed = result.ok and self._commit(result)
-            if committed:
-                self.tokens_since_commit = 0
             self._log_round(result, committed, train_loss, tokens)
             if committed and self.cfg.run.checkpoint_every and self.round % self.cfg.run.checkpoint_every == 0:
                 self.save()
@@ -124,9 +147,11 @@ class Peer:
         """H inner steps on θ_local; returns (mean loss, tokens). Stops early, between steps, if asked to."""
         losses, tokens = [], 0
         bar = _progress(steps, f"{self.name} r{self.round + 1}", self.cfg.run.progress)
-        for _ in range(steps):
+        for step in range(steps):
             if self.stop_event.is_set():
                 break
+            if self.fault is not None and step == steps // 2 and self.fault.due("inner", self.round + 1):
+                self.fault.strike()
             out = self.inner.step(self.data.train.next_batch)
             losses.append(out.loss)
             tokens += out.tokens
@@ -141,10 +166,12 @@ class Peer:
     def _average(self):
         from p2p_diloco.averaging import Contribution
 
+        if self.dht is not None:
+            self.averager.set_group_size(len(self._live_roster()))
         with self.averager.pseudo_grads() as buffers:
             pseudo_gradient(self.global_params, self.model.parameters(), buffers)
         weight = self.tokens_since_commit if self.cfg.diloco.weight_by_tokens else 1.0
-        contribution = Contribution(name=self.name, round=self.round, digest=self.global_digest,
+        contribution = Contribution(name=self.name, round=self.round, digest=self.state_digest,
                                     tokens=self.tokens_since_commit)
         return self.averager.average(contribution, weight)
 
@@ -154,9 +181,13 @@ class Peer:
             if not all(torch.isfinite(d).all() for d in averaged):
                 result.error = "the averaged pseudo-gradient is not finite: round rejected"
                 return False
-            self.outer.step(self.global_params, averaged, num_contributions=result.group_size)
+            with self._state_lock:
+                self.outer.step(self.global_params, averaged, num_contributions=result.group_size)
+                self.round += 1
+                self._refresh_digests()
         load_into(self.model.parameters(), self.global_params)
-        self.round += 1
+        self.tokens_since_commit = 0
+        self._state_changed()
         return True
 
     def _log_round(self, result, committed: bool, train_loss: float, tokens: int) -> None:
@@ -164,7 +195,8 @@ class Peer:
                   "outer/group_size": result.group_size, "outer/peers": result.peers, "train/loss": train_loss,
                   "train/tokens": tokens, "outer/allreduce_s": result.seconds,
                   "outer/bytes_sent": result.bytes_sent, "outer/bytes_received": result.bytes_received,
-                  "global_params_sha256": self.global_digest, "error": result.error}
+                  "global_params_sha256": self.global_digest, "state_sha256": self.state_digest,
+                  "error": result.error}
         eval_every = self.cfg.run.eval_every
         if committed and eval_every and self.round % eval_every == 0:
             record["eval/loss"] = self._evaluate()
@@ -181,6 +213,106 @@ class Peer:
         """Held-out loss of θ_global (θ_local equals θ_global whenever this is called)."""
         return evaluate(self.model, self.data.eval_batches, self.device)
 
+    # ------------------------------------------------------------------------------------------------ agreement
+    def _refresh_digests(self) -> None:
+        self.global_digest, self.state_digest = state_digests(self.global_params, self.outer.state_tensors())
+
+    def _status(self, leaving: bool = False) -> PeerStatus:
+        return PeerStatus(name=self.name, peer_id=self.peer_id, round=self.round, digest=self.state_digest,
+                          leaving=leaving, donor=not self.cfg.network.client_mode)
+
+    def _publish_status(self, leaving: bool = False) -> None:
+        from p2p_diloco.dht import publish_status
+
+        publish_status(self.dht, self.prefix, self._status(leaving), ttl=self.cfg.averaging.roster_ttl,
+                       timeout=self.cfg.averaging.request_timeout)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._closed.wait(self.cfg.averaging.roster_ttl / 3):
+            self._publish_status()
+
+    def _live_roster(self) -> list[PeerStatus]:
+        from p2p_diloco.dht import read_roster
+
+        roster = read_roster(self.dht, self.prefix, timeout=self.cfg.averaging.request_timeout)
+        return [s for s in roster if not s.leaving]
+
+    def _state_changed(self) -> None:
+        if self.dht is not None:
+            self._publish_status()
+            self.averager.serve_state(self._donate_state, self.round)
+
+    def _sync(self) -> None:
+        """Before contributing: if the run has moved past our θ_global, or most peers hold other bytes for our
+        round, fetch the run's state from a peer that holds it (digest-checked). Our local progress is dropped."""
+        if self.dht is None:
+            return
+        target = sync_target(self._status(), self._live_roster())
+        if target is None:
+            return
+        if not target.donors:
+            self.log.warning(f"behind the run (round {target.round}) but no donor serves that state yet")
+            return
+        kind = "join" if self.round == 0 and self.inner.step_count == 0 else "repair"
+        self.log.info(f"{kind}: our round {self.round} ({self.state_digest[:12]}) vs the run's round "
+                      f"{target.round} ({target.digest[:12]}); fetching state")
+        self._fetch_state(target, kind)
+
+    def _fetch_state(self, target, kind: str) -> bool:
+        start = time.perf_counter()
+        got = self.averager.download_state(target.donors)
+        if got is None:
+            self.log.warning(f"{kind}: no donor delivered the state; retrying next round")
+            return False
+        metadata, tensors, donor = got
+        problem = self._check_state(metadata, tensors, target)
+        if problem:
+            self.log.warning(f"{kind}: state from {donor} rejected: {problem}")
+            return False
+        n = len(self.global_params)
+        with self._state_lock, torch.no_grad():
+            for p, t in zip(self.global_params, tensors[:n]):
+                p.copy_(t)
+            for m, t in zip(self.outer.state_tensors(), tensors[n:]):
+                m.copy_(t)
+            self.round = metadata["round"]
+            self._refresh_digests()
+        load_into(self.model.parameters(), self.global_params)
+        self.tokens_since_commit = 0
+        self._state_changed()
+        seconds = time.perf_counter() - start
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        self.metrics.log({"event": kind, "peer": self.name, "round": self.round, "donor": metadata.get("name"),
+                          "state_bytes": size, "seconds": seconds, "global_params_sha256": self.global_digest,
+                          "state_sha256": self.state_digest})
+        self.log.info(f"{kind}: got round {self.round} from {metadata.get('name')} ({size / 1e6:.1f} MB in "
+                      f"{seconds:.2f} s); digest verified")
+        return True
+
+    def _check_state(self, metadata, tensors, target) -> Optional[str]:
+        """Why a downloaded state is unusable, or None: shapes, the donor's own digest, and the run's round."""
+        expected = [p.shape for p in self.global_params] + [m.shape for m in self.outer.state_tensors()]
+        if not isinstance(metadata, dict) or metadata.get("fingerprint") != self.fingerprint:
+            return "not a state of this run's model"
+        if [t.shape for t in tensors] != expected:
+            return "tensor shapes differ"
+        n = len(self.global_params)
+        _, digest = state_digests(tensors[:n], tensors[n:])
+        if digest != metadata.get("digest"):
+            return "bytes do not match the donor's digest (corrupted in transit)"
+        if metadata.get("round", -1) < target.round or (metadata["round"] == target.round
+                                                        and digest != target.digest):
+            return f"round {metadata.get('round')} is not the run's round {target.round}"
+        return None
+
+    def _donate_state(self):
+        """Called on hivemind's state thread when a peer downloads from us: a consistent snapshot."""
+        with self._state_lock:
+            metadata = {"round": self.round, "digest": self.state_digest, "fingerprint": self.fingerprint,
+                        "name": self.name}
+            tensors = [t.clone() for t in (*self.global_params, *self.outer.state_tensors())]
+        return metadata, tensors
+
     # ------------------------------------------------------------------------------------------------ state
     def state(self) -> dict:
         return {"round": self.round, "name": self.name, "fingerprint": self.fingerprint,
@@ -190,7 +322,8 @@ class Peer:
                 "config": asdict(self.cfg)}
 
     def save(self) -> None:
-        save_checkpoint(self.run_dir, self.state())
+        with self._state_lock:
+            save_checkpoint(self.run_dir, self.state())
 
     def _resume(self) -> bool:
         state = load_checkpoint(self.run_dir)
@@ -211,11 +344,15 @@ class Peer:
 
     # ------------------------------------------------------------------------------------------------ close
     def close(self) -> None:
-        """Save a checkpoint (if started) and leave the swarm. Safe to call twice."""
-        if self._closed:
+        """Leave gracefully: announce it, stop serving state, save a checkpoint, leave the swarm. Safe to call
+        twice."""
+        if self._closed.is_set():
             return
-        self._closed = True
+        self._closed.set()
         try:
+            if self.dht is not None and self.averager is not None:
+                self._publish_status(leaving=True)  # others stop counting us and stop waiting for us
+                self.averager.stop_serving()
             if hasattr(self, "inner") and self.cfg.run.checkpoint_every:
                 self.save()
         finally:

@@ -7,6 +7,9 @@ ended by PID when the swarm finishes, fails or is interrupted.
 from __future__ import annotations
 
 import json
+import os
+import random
+import signal
 import subprocess
 import sys
 import threading
@@ -28,12 +31,47 @@ DEMO_DEFAULTS = {
     "run.progress": False,
     "averaging.matchmaking_time": 10.0,
     "averaging.request_timeout": 3.0,
+    "averaging.next_chunk_timeout": 15.0,
+    "averaging.roster_ttl": 15.0,
 }
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 # keys the swarm sets for each peer, and the swarm flag (if any) to use instead
 SET_BY_SWARM = {"run.rounds": "--rounds", "diloco.inner_steps": "--inner-steps",
-                "averaging.target_group_size": "--peers", "run.name": None, "run.run_dir": "--run-dir",
+                "run.expected_peers": "--peers", "run.name": None, "run.run_dir": "--run-dir",
                 "network.initial_peers": None, "network.host_maddrs": None}
+
+
+@dataclass
+class ChaosPlan:
+    """What ``--chaos SEED`` does: faults armed in initial peers, and actions taken after a round is committed."""
+    faults: dict[str, str] = field(default_factory=dict)              # peer name -> fault.inject
+    actions: list[tuple[int, str, str]] = field(default_factory=list)  # (after round, join|leave|kill_bootstrap, peer)
+
+
+def plan_chaos(seed: int, num_peers: int, rounds: int) -> ChaosPlan:
+    """A seeded plan with a kill during an all-reduce, a kill during inner steps or matchmaking, a kill of a donor
+    while it serves state to a joiner, a graceful leave, two joins and one bootstrap kill, in an order that keeps at
+    least two peers alive (fewer removals on small swarms). Pure: the same seed gives the same plan."""
+    if num_peers < 3 or rounds < 6:
+        raise ValueError("--chaos needs --peers >= 3 and --rounds >= 6")
+    rng = random.Random(seed)
+    names = [f"peer{i}" for i in range(num_peers)]
+    join1, join2 = rng.randint(1, 2), rng.randint(3, 4)
+    plan = ChaosPlan()
+    # donors are tried in order of name: peer0 is the first donor a joiner asks, so it is the one that dies serving
+    plan.faults["peer0"] = f"kill:serving:{join1 + 1}"
+    others = names[1:]
+    rng.shuffle(others)
+    plan.faults[others[0]] = f"kill:allreduce:{rng.randint(2, 3)}"
+    removals = 2
+    if num_peers >= 4:  # 4 removals against 2 joins leave 2 of 4 peers alive
+        plan.faults[others[1]] = f"kill:{rng.choice(['inner', 'matchmaking'])}:{rng.randint(4, 5)}"
+        removals += 1
+    plan.actions += [(join1, "join", "join0"), (join2, "join", "join1"),
+                     (rng.randint(5, rounds - 2), "leave", others[removals - 1]),
+                     (rng.randint(2, rounds - 2), "kill_bootstrap", "bootstrap")]
+    plan.actions.sort()
+    return plan
 
 
 @dataclass
@@ -83,12 +121,21 @@ class LocalSwarm:
         self.initial_peers = maddrs
         return maddrs
 
+    def live_maddrs(self) -> list[str]:
+        """Addresses to join through: the bootstrap node's while it lives, then every live peer's."""
+        maddrs = list(self.initial_peers) if self.bootstrap and self.bootstrap.proc.poll() is None else []
+        for child in self.peers.values():
+            path = child.run_dir / "maddrs.txt"
+            if child.proc.poll() is None and path.is_file():
+                maddrs += [m for m in path.read_text().split() if m]
+        return maddrs
+
     def start_peer(self, name: str, extra_args: list[str] = ()) -> Child:
         run_dir = self.run_dir / name
         run_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.run_dir / f"{name}.log"
         log_file = open(log_path, "a")
-        args = [sys.executable, "-m", "p2p_diloco", "peer", "--initial-peers", ",".join(self.initial_peers),
+        args = [sys.executable, "-m", "p2p_diloco", "peer", "--initial-peers", ",".join(self.live_maddrs()),
                 f"--run.name={name}", f"--run.run_dir={run_dir}", f"--network.host_maddrs={LOOPBACK}",
                 *self.peer_args, *extra_args]
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -111,25 +158,36 @@ class LocalSwarm:
 
 
 def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_args: list[str],
-              timeout: Optional[float] = None, echo=print) -> int:
-    """Run a whole swarm to completion; write ``run_dir/summary.json``; return 0 if every peer finished cleanly."""
+              timeout: Optional[float] = None, chaos: Optional[int] = None, echo=print) -> int:
+    """Run a whole swarm to completion; write ``run_dir/summary.json``; return 0 if every peer finished cleanly
+    (or was killed on purpose by ``chaos``) and every round's θ_global hashes agree."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    plan = plan_chaos(chaos, num_peers, rounds) if chaos is not None else ChaosPlan()
     swarm = LocalSwarm(run_dir, peer_args=[f"--run.rounds={rounds}", f"--diloco.inner_steps={inner_steps}",
-                                           f"--averaging.target_group_size={num_peers}", *peer_args])
+                                           f"--run.expected_peers={num_peers}", *peer_args])
     table = RoundTable(echo)
+    events = EventLog(echo)
     start = time.monotonic()
-    exit_codes: dict[str, Optional[int]] = {}
     try:
         maddrs = swarm.start_bootstrap()
         echo(f"bootstrap node at {maddrs[0]}")
         for i in range(num_peers):
-            swarm.start_peer(f"peer{i}")
+            name = f"peer{i}"
+            fault = plan.faults.get(name)
+            swarm.start_peer(name, [f"--fault.inject={fault}"] if fault else [])
+            if fault:
+                events.add("armed", name, fault)
         echo(f"{num_peers} peers started; logs and metrics in {run_dir}")
+        pending = list(plan.actions)
         while True:
-            exit_codes = {name: c.proc.poll() for name, c in swarm.peers.items()}
-            table.update(collect_rounds(swarm.peers))
-            if all(code is not None for code in exit_codes.values()):
+            rounds_seen = collect_rounds(swarm.peers)
+            table.update(rounds_seen)
+            latest = max(rounds_seen, default=0)
+            while pending and pending[0][0] <= latest:
+                _act(swarm, events, *pending.pop(0))
+            events.note_exits(swarm.peers, plan.faults)
+            if not pending and all(c.proc.poll() is not None for c in swarm.peers.values()):
                 break
             if timeout is not None and time.monotonic() - start > timeout:
                 echo(f"swarm: timed out after {timeout:.0f} s; stopping peers")
@@ -139,13 +197,49 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
         echo("swarm: interrupted; stopping every process")
     finally:
         swarm.close()
-        exit_codes = {name: c.proc.returncode for name, c in swarm.peers.items()}
-        summary = write_summary(run_dir, swarm.peers)
+        events.note_exits(swarm.peers, plan.faults)
+        summary = write_summary(run_dir, swarm.peers, events.events)
         table.update(collect_rounds(swarm.peers))
-    failed = {n: c for n, c in exit_codes.items() if c != 0}
+    exit_codes = {name: c.proc.returncode for name, c in swarm.peers.items()}
+    failed = {n: c for n, c in exit_codes.items() if c != 0 and not (c == -signal.SIGKILL and n in plan.faults)}
     echo(f"swarm: {len(summary['rounds'])} rounds in {time.monotonic() - start:.0f} s; summary in "
          f"{run_dir / 'summary.json'}" + (f"; peers that failed: {failed}" if failed else ""))
     return 0 if not failed and all(_hashes_agree(r) for r in summary["rounds"]) else 1
+
+
+def _act(swarm: LocalSwarm, events: "EventLog", after_round: int, kind: str, name: str) -> None:
+    if kind == "join":
+        swarm.start_peer(name)
+        events.add("join", name, f"after round {after_round}")
+    elif kind == "leave":
+        child = swarm.peers.get(name)
+        if child is not None and child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)  # the peer finishes its step, announces it leaves, saves, exits
+            events.add("leave", name, "graceful (SIGTERM)")
+    elif kind == "kill_bootstrap":
+        if swarm.bootstrap is not None and swarm.bootstrap.proc.poll() is None:
+            os.killpg(swarm.bootstrap.proc.pid, signal.SIGKILL)
+            events.add("kill", "bootstrap", "bootstrap node (SIGKILL)")
+
+
+class EventLog:
+    """The swarm's record of what happened to whom: summary.json's "events"."""
+
+    def __init__(self, echo):
+        self.echo, self.start, self.events, self._exited = echo, time.monotonic(), [], set()
+
+    def add(self, kind: str, peer: str, phase: Optional[str]) -> None:
+        event = {"time_s": round(time.monotonic() - self.start, 2), "kind": kind, "peer": peer, "phase": phase}
+        self.events.append(event)
+        self.echo(f"event: {kind} {peer}" + (f" ({phase})" if phase else ""))
+
+    def note_exits(self, peers: dict[str, Child], faults: dict[str, str]) -> None:
+        for name, child in peers.items():
+            code = child.proc.poll()
+            if code == -signal.SIGKILL and name not in self._exited:
+                self._exited.add(name)
+                phase = faults[name].split(":")[1] if name in faults else None
+                self.add("kill", name, phase)
 
 
 def collect_rounds(peers: dict[str, Child]) -> dict[int, dict[str, dict]]:
@@ -158,7 +252,7 @@ def collect_rounds(peers: dict[str, Child]) -> dict[int, dict[str, dict]]:
     return rounds
 
 
-def write_summary(run_dir: Path, peers: dict[str, Child]) -> dict:
+def write_summary(run_dir: Path, peers: dict[str, Child], events: Optional[list[dict]] = None) -> dict:
     records = {name: read_jsonl(child.run_dir / "metrics.jsonl") for name, child in peers.items()}
     starts = [r for recs in records.values() for r in recs if r.get("event") == "start"]
     rounds = []
@@ -178,11 +272,20 @@ def write_summary(run_dir: Path, peers: dict[str, Child]) -> dict:
         "initial_eval_loss": _mean([s["eval/loss"] for s in starts]) if starts else None,
         "rounds": rounds,
         "peers": [_peer_summary(name, recs) for name, recs in sorted(records.items())],
+        "events": list(events or []) + _state_transfers(records),
     }
     tmp = run_dir / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     tmp.replace(run_dir / "summary.json")
     return summary
+
+
+def _state_transfers(records: dict[str, list[dict]]) -> list[dict]:
+    """Joins and repairs the peers logged: who fetched which round's state, how many bytes, how fast."""
+    first = min((r["time"] for recs in records.values() for r in recs if "time" in r), default=0.0)
+    return [{"time_s": round(r["time"] - first, 2), "kind": f"state_{r['event']}", "peer": name,
+             "phase": f"round {r['round']} from {r.get('donor')}: {r['state_bytes']} bytes in {r['seconds']:.2f} s"}
+            for name, recs in records.items() for r in recs if r.get("event") in ("join", "repair")]
 
 
 def _peer_summary(name: str, recs: list[dict]) -> dict:

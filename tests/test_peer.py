@@ -74,7 +74,7 @@ def test_commit_applies_the_nesterov_step_to_the_averaged_pseudo_gradient(tmp_pa
 
 def test_failed_round_keeps_theta_global_and_carries_the_work_forward(tmp_path):
     peer, fake = _peer(tmp_path, ["fail", "ok"], rounds=1)
-    theta0 = params_digest(peer.global_params)
+    theta0 = peer.state_digest
     peer.run()
     (first, w1, delta1), (second, w2, delta2) = fake.calls
     assert first.round == second.round == 0, "a failed round must not advance θ_global's version"
@@ -88,7 +88,7 @@ def test_failed_round_keeps_theta_global_and_carries_the_work_forward(tmp_path):
 
 def test_non_finite_average_is_rejected(tmp_path):
     peer, fake = _peer(tmp_path, ["nan", "ok"], rounds=1)
-    theta0 = params_digest(peer.global_params)
+    theta0 = peer.state_digest
     peer.run()
     assert fake.calls[1][0].digest == theta0, "a NaN average must not touch θ_global"
     assert all(torch.isfinite(p).all() for p in peer.global_params)
