@@ -47,6 +47,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from p2p_diloco import dht as _dht  # noqa: F401  (imported first for its torch sharing-strategy setting)
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.consensus import majority_state
+from p2p_diloco.deadlines import DeadlineEstimator
 from p2p_diloco.procs import become_child_process
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ class AverageResult:
     tokens: int = 0                           # tokens behind the average
     bytes_sent: int = 0
     bytes_received: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0                      # matchmaking and all-reduce
+    allreduce_seconds: float = 0.0            # the all-reduce alone, once the group formed
     error: Optional[str] = None
     stale: bool = False                       # the group averaged a θ_global other than ours: repair before contributing
     group_round: Optional[int] = None         # the round the group's majority was at
@@ -235,11 +237,13 @@ class CanonicalAverager(DecentralizedAverager):
             peer_fractions = await asyncio.get_event_loop().run_in_executor(
                 None, load_balance_peers, self.total_size, download_bandwidths, min_vector_size)
             fault = self._fault if self._fault and self._fault.due("allreduce", contributions[me].round + 1) else None
+            started = time.monotonic()
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 sent, received = await self._run_allreduce_inplace_(
                     local_tensors, group_info, peer_fractions=peer_fractions,
                     weight=weight if me in members else 0.0, fault=fault, **kwargs)
-            return dict(summary, bytes_sent=sent, bytes_received=received)
+            return dict(summary, bytes_sent=sent, bytes_received=received,
+                        allreduce_seconds=time.monotonic() - started)
         except BaseException as e:
             raise MatchmakingException(f"all-reduce failed: {e!r}") from None
 
@@ -305,6 +309,11 @@ class CanonicalAverager(DecentralizedAverager):
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         return (metadata, tensors) if metadata is not None else None
 
+    async def _set_deadlines(self, allreduce_timeout: float, next_chunk_timeout: float):
+        self._allreduce_timeout = allreduce_timeout
+        self.next_chunk_timeout = next_chunk_timeout
+        self.allreduce_kwargs.update(sender_timeout=next_chunk_timeout, reducer_timeout=2 * next_chunk_timeout)
+
     async def _arm_fault(self, fault):
         self._fault = fault
 
@@ -336,6 +345,10 @@ class Averager:
             part_size_bytes=cfg.part_size_bytes, client_mode=client_mode, allow_state_sharing=False,
             shutdown_timeout=5)
         self._group_size = expected_group_size or cfg.target_group_size
+        bytes_per_value = 4 if cfg.codec == "fp32" else 2
+        self._estimator = DeadlineEstimator(cfg.allreduce_timeout, cfg.next_chunk_timeout, cfg.part_size_bytes,
+                                            payload_bytes=sum(b.numel() for b in buffers) * bytes_per_value)
+        self.deadlines = self._estimator.deadlines(self._group_size)
 
     @property
     def peer_id(self) -> str:
@@ -355,13 +368,14 @@ class Averager:
     def average(self, contribution: Contribution, weight: float) -> AverageResult:
         """Find a group and all-reduce the buffers; never raises, never waits beyond the configured timeouts."""
         start = time.perf_counter()
+        self._update_deadlines()
         control = None
         try:
             control = self._averager.step(gather=asdict(contribution), weight=float(weight), wait=False,
                                           timeout=self.matchmaking_timeout, allow_retries=False)
             if self.fault is not None and self.fault.due("matchmaking", contribution.round + 1):
                 self._strike_in_matchmaking(control)
-            out = control.result(timeout=self.matchmaking_timeout + self.cfg.allreduce_timeout + 10)
+            out = control.result(timeout=self.matchmaking_timeout + self.deadlines.allreduce_timeout + 10)
         except BaseException as e:
             if control is not None and not control.done():
                 control.cancel()
@@ -371,7 +385,8 @@ class Averager:
         result = AverageResult(ok=out["member_of"], group_size=len(out["members"]), peers=out["members"],
                                tokens=out["tokens"], bytes_sent=out["bytes_sent"],
                                bytes_received=out["bytes_received"], seconds=time.perf_counter() - start,
-                               group_round=out["group_round"])
+                               allreduce_seconds=out["allreduce_seconds"], group_round=out["group_round"])
+        self._estimator.observe(out["bytes_sent"] + out["bytes_received"], out["allreduce_seconds"])
         if not out["member_of"]:
             result.stale, result.error = True, f"the group averaged round {out['group_round']} of another θ_global"
         return result
@@ -414,6 +429,14 @@ class Averager:
         if size != self._group_size:
             self._group_size = size
             self._averager._outer_pipe.send(("_set_target_group_size", [], dict(size=size)))
+
+    def _update_deadlines(self) -> None:
+        """Deadlines for the coming round from measurements (p2p_diloco/deadlines.py); sent to the averager."""
+        deadlines = self._estimator.deadlines(self._group_size)
+        if deadlines != self.deadlines:
+            self.deadlines = deadlines
+            self._averager._outer_pipe.send(("_set_deadlines", [], dict(
+                allreduce_timeout=deadlines.allreduce_timeout, next_chunk_timeout=deadlines.next_chunk_timeout)))
 
     def _strike_in_matchmaking(self, control) -> None:
         """Fault injection: fail while the averager looks for a group (declared in the DHT, or being joined)."""

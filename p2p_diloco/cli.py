@@ -11,10 +11,9 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Optional
 
-from p2p_diloco.config import ConfigError, describe, dump_toml, load_config, parse_overrides
+from p2p_diloco.config import ConfigError, describe, load_config, parse_overrides
 from p2p_diloco.errors import JoinError
 
 USAGE_ERROR = 2
@@ -119,7 +118,7 @@ def _cmd_peer(args, overrides: dict[str, str]) -> int:
 
 
 def _cmd_swarm(args, overrides: dict[str, str]) -> int:
-    from p2p_diloco.swarm import DEMO_DEFAULTS, SET_BY_SWARM, run_swarm
+    from p2p_diloco.swarm import DEMO_DEFAULTS, SET_BY_SWARM, run_swarm, write_peer_config
 
     for key, flag in SET_BY_SWARM.items():  # per-peer keys
         if key in overrides:
@@ -131,13 +130,10 @@ def _cmd_swarm(args, overrides: dict[str, str]) -> int:
         raise ConfigError("--chaos: needs --peers >= 3 and --rounds >= 6")
     # validate everything before starting a single process; peers then read one effective config file
     cfg = load_config(args.config, overrides, defaults=DEMO_DEFAULTS)
-    run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "peer-config.toml"
-    config_path.write_text(dump_toml(cfg))
+    peer_args = write_peer_config(args.run_dir, cfg)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # a TERM must end the children too, as Ctrl+C does
-    return run_swarm(args.peers, args.rounds, args.inner_steps, str(run_dir), [f"--config={config_path}"],
-                     timeout=args.timeout, chaos=args.chaos, echo=lambda s: print(s, flush=True))
+    return run_swarm(args.peers, args.rounds, args.inner_steps, args.run_dir, peer_args, timeout=args.timeout,
+                     chaos=args.chaos, echo=lambda s: print(s, flush=True))
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -191,9 +191,12 @@ class Peer:
         return True
 
     def _log_round(self, result, committed: bool, train_loss: float, tokens: int) -> None:
+        deadlines = getattr(self.averager, "deadlines", None)  # a mocked averager has none
+        deadline = deadlines.allreduce_timeout if deadlines is not None else None
         record = {"event": "round", "peer": self.name, "round": self.round, "committed": committed,
                   "outer/group_size": result.group_size, "outer/peers": result.peers, "train/loss": train_loss,
                   "train/tokens": tokens, "outer/allreduce_s": result.seconds,
+                  "outer/allreduce_only_s": result.allreduce_seconds, "outer/allreduce_timeout_s": deadline,
                   "outer/bytes_sent": result.bytes_sent, "outer/bytes_received": result.bytes_received,
                   "global_params_sha256": self.global_digest, "state_sha256": self.state_digest,
                   "error": result.error}

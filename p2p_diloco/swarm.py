@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, TextIO
 
+from p2p_diloco.config import dump_toml
 from p2p_diloco.metrics import read_jsonl
 from p2p_diloco.procs import stop_groups
 
@@ -157,13 +158,24 @@ class LocalSwarm:
                 child.log_file.close()
 
 
-def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_args: list[str],
-              timeout: Optional[float] = None, chaos: Optional[int] = None, echo=print) -> int:
-    """Run a whole swarm to completion; write ``run_dir/summary.json``; return 0 if every peer finished cleanly
-    (or was killed on purpose by ``chaos``) and every round's θ_global hashes agree."""
+def write_peer_config(run_dir: str | Path, cfg) -> list[str]:
+    """Write the effective peer config once for all peers; return the peer arguments that load it."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    plan = plan_chaos(chaos, num_peers, rounds) if chaos is not None else ChaosPlan()
+    path = run_dir / "peer-config.toml"
+    path.write_text(dump_toml(cfg))
+    return [f"--config={path}"]
+
+
+def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_args: list[str],
+              timeout: Optional[float] = None, chaos: Optional[int] = None, plan: Optional[ChaosPlan] = None,
+              echo=print) -> int:
+    """Run a whole swarm to completion; write ``run_dir/summary.json``; return 0 if every peer finished cleanly
+    (or was failed on purpose by ``chaos`` or ``plan``) and every round's θ_global hashes agree."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if plan is None:
+        plan = plan_chaos(chaos, num_peers, rounds) if chaos is not None else ChaosPlan()
     swarm = LocalSwarm(run_dir, peer_args=[f"--run.rounds={rounds}", f"--diloco.inner_steps={inner_steps}",
                                            f"--run.expected_peers={num_peers}", *peer_args])
     table = RoundTable(echo)
@@ -187,7 +199,8 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
             while pending and pending[0][0] <= latest:
                 _act(swarm, events, *pending.pop(0))
             events.note_exits(swarm.peers, plan.faults)
-            if not pending and all(c.proc.poll() is not None for c in swarm.peers.values()):
+            stalled = {n for n, f in plan.faults.items() if f.startswith("stall:")}  # frozen, never exit
+            if not pending and all(c.proc.poll() is not None for n, c in swarm.peers.items() if n not in stalled):
                 break
             if timeout is not None and time.monotonic() - start > timeout:
                 echo(f"swarm: timed out after {timeout:.0f} s; stopping peers")
@@ -201,6 +214,7 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
         summary = write_summary(run_dir, swarm.peers, events.events)
         table.update(collect_rounds(swarm.peers))
     exit_codes = {name: c.proc.returncode for name, c in swarm.peers.items()}
+    # peers failed on purpose end by SIGKILL: their own (kill) or the swarm's at close (stall)
     failed = {n: c for n, c in exit_codes.items() if c != 0 and not (c == -signal.SIGKILL and n in plan.faults)}
     echo(f"swarm: {len(summary['rounds'])} rounds in {time.monotonic() - start:.0f} s; summary in "
          f"{run_dir / 'summary.json'}" + (f"; peers that failed: {failed}" if failed else ""))

@@ -1,0 +1,45 @@
+"""PURE: all-reduce deadlines derived from the model size, measured throughput and observed round times.
+
+The rule (configured values are floors, so a fast link never gets tighter deadlines than configured):
+  * every peer moves 2(N−1)/N × payload bytes in a butterfly all-reduce (payload = values × bytes per value);
+  * the throughput estimate is the *slowest* recent round's bytes moved / all-reduce seconds (conservative);
+  * allreduce_timeout   = max(floor, 4 × expected transfer seconds, 3 × slowest recent all-reduce seconds);
+  * next_chunk_timeout  = max(floor, 8 × part_size_bytes / throughput): a peer silent for eight part times is dead.
+Until a round has been measured, the floors apply. A straggler past these deadlines misses the round; it then finds
+itself behind the run's roster and fetches the new state before contributing again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    allreduce_timeout: float
+    next_chunk_timeout: float
+
+
+class DeadlineEstimator:
+    """Keeps the last ``window`` good rounds' measurements and derives the next round's deadlines."""
+
+    def __init__(self, allreduce_floor: float, chunk_floor: float, part_size_bytes: int, payload_bytes: int,
+                 window: int = 5):
+        self.allreduce_floor, self.chunk_floor = allreduce_floor, chunk_floor
+        self.part_size_bytes, self.payload_bytes = part_size_bytes, payload_bytes
+        self.history: deque[tuple[int, float]] = deque(maxlen=window)  # (bytes moved, all-reduce seconds)
+
+    def observe(self, bytes_moved: int, seconds: float) -> None:
+        if bytes_moved > 0 and seconds > 0:
+            self.history.append((bytes_moved, seconds))
+
+    def deadlines(self, group_size: int) -> Deadlines:
+        if not self.history:
+            return Deadlines(self.allreduce_floor, self.chunk_floor)
+        throughput = min(b / s for b, s in self.history)  # bytes per second, slowest recent round
+        moved = 2 * (group_size - 1) / max(group_size, 1) * self.payload_bytes
+        slowest = max(s for _, s in self.history)
+        allreduce = max(self.allreduce_floor, 4 * moved / throughput, 3 * slowest)
+        chunk = max(self.chunk_floor, 8 * self.part_size_bytes / throughput)
+        return Deadlines(allreduce, chunk)

@@ -1,0 +1,74 @@
+"""Pure agreement rules: which state a peer must fetch, and the chaos plan's guarantees."""
+
+import pytest
+
+from p2p_diloco.consensus import PeerStatus, majority_state, sync_target
+from p2p_diloco.swarm import plan_chaos
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _s(name, round_, digest, **kw):
+    return PeerStatus(name=name, peer_id=f"id-{name}", round=round_, digest=digest, **kw)
+
+
+def test_in_sync_peer_needs_nothing():
+    me = _s("a", 3, "x")
+    assert sync_target(me, [me, _s("b", 3, "x"), _s("c", 2, "old")]) is None
+
+
+def test_peer_behind_fetches_the_latest_round_from_its_holders_in_name_order():
+    me = _s("a", 1, "x")
+    target = sync_target(me, [_s("c", 3, "y"), _s("b", 3, "y"), _s("d", 2, "z")])
+    assert (target.round, target.digest, target.donors) == (3, "y", ["id-b", "id-c"])
+
+
+def test_minority_of_a_half_committed_round_repairs_to_the_majority():
+    me = _s("a", 4, "lonely")
+    target = sync_target(me, [_s("b", 4, "major"), _s("c", 4, "major"), me])
+    assert (target.round, target.digest, target.donors) == (4, "major", ["id-b", "id-c"])
+    # and the majority does not move towards the minority
+    assert sync_target(_s("b", 4, "major"), [me, _s("c", 4, "major")]) is None
+
+
+def test_leaving_peers_and_client_mode_peers_are_not_donors():
+    me = _s("a", 1, "x")
+    target = sync_target(me, [_s("b", 2, "y", leaving=True), _s("c", 2, "y", donor=False), _s("d", 2, "y")])
+    assert target.donors == ["id-d"]
+    assert sync_target(me, [_s("b", 5, "y", leaving=True)]) is None  # a leaver does not define the run's state
+
+
+def test_ties_break_the_same_way_everywhere():
+    states = [(3, "b"), (3, "a"), (2, "c"), (2, "c")]
+    assert majority_state(states) == (2, "c")
+    assert majority_state([(3, "b"), (3, "a")]) == majority_state([(3, "a"), (3, "b")]) == (3, "a")
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("peers", [3, 4, 6])
+def test_chaos_plan_keeps_two_peers_alive_and_covers_every_fault(seed, peers):
+    plan = plan_chaos(seed, peers, rounds=8)
+    assert plan == plan_chaos(seed, peers, rounds=8), "a seed must give one plan"
+    phases = {f.split(":")[1] for f in plan.faults.values()}
+    assert {"allreduce", "serving"} <= phases
+    kinds = [kind for _, kind, _ in plan.actions]
+    assert kinds.count("join") == 2 and kinds.count("leave") == 1 and kinds.count("kill_bootstrap") == 1
+    removals = len(plan.faults) + kinds.count("leave")
+    assert peers + kinds.count("join") - removals >= 2
+    if peers >= 4:
+        assert phases & {"inner", "matchmaking"}
+
+
+def test_deadlines_start_at_the_floors_and_grow_with_payload_and_slow_links():
+    from p2p_diloco.deadlines import DeadlineEstimator
+
+    est = DeadlineEstimator(allreduce_floor=60, chunk_floor=10, part_size_bytes=2 ** 19, payload_bytes=300_000_000)
+    assert (est.deadlines(4).allreduce_timeout, est.deadlines(4).next_chunk_timeout) == (60, 10)
+    est.observe(bytes_moved=450_000_000, seconds=45.0)  # 10 MB/s measured: a slow home link
+    d = est.deadlines(4)
+    # 2(N-1)/N x 300 MB = 450 MB at 10 MB/s = 45 s expected; 4x margin = 180 s
+    assert d.allreduce_timeout == pytest.approx(180.0)
+    assert d.next_chunk_timeout == pytest.approx(max(10, 8 * 2 ** 19 / 10e6))
+    fast = DeadlineEstimator(60, 10, 2 ** 19, 300_000_000)
+    fast.observe(450_000_000, 0.5)  # a fast link never tightens below the configured floors
+    assert (fast.deadlines(4).allreduce_timeout, fast.deadlines(4).next_chunk_timeout) == (60, 10)

@@ -1,0 +1,106 @@
+"""Fault injection with real processes: a peer killed (or frozen) at each phase of a round, joins, graceful leaves,
+the bootstrap node lost, and churn. After every committed round, every peer that committed it holds the same
+θ_global; the survivors carry on and the loss still falls; nothing is left running."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from p2p_diloco.config import load_config
+from p2p_diloco.metrics import read_jsonl
+from p2p_diloco.swarm import DEMO_DEFAULTS, ChaosPlan, run_swarm, write_peer_config
+
+SMALL = {"inner.batch_size": 4, "model.seq_len": 64, "data.eval_batches": 2, "averaging.matchmaking_time": 6.0,
+         "averaging.next_chunk_timeout": 10.0, "averaging.roster_ttl": 10.0}
+
+
+def _run(tmp_path, peers, rounds, plan, inner_steps=8, **extra):
+    cfg = load_config(defaults={**DEMO_DEFAULTS, **SMALL, **extra})
+    rc = run_swarm(peers, rounds, inner_steps, str(tmp_path), write_peer_config(tmp_path, cfg), plan=plan,
+                   timeout=400, echo=lambda s: None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert rc == 0, _diagnose(tmp_path, summary)
+    _assert_agreement_and_progress(summary, rounds)
+    return summary
+
+
+def _assert_agreement_and_progress(summary, rounds):
+    assert [r["round"] for r in summary["rounds"]] == list(range(1, rounds + 1)), "a round is missing"
+    for r in summary["rounds"]:
+        hashes = r["global_params_sha256"]
+        assert len(hashes) >= 2, f"round {r['round']} committed by {sorted(hashes)} only"
+        assert len(set(hashes.values())) == 1, f"round {r['round']}: peers disagree on θ_global: {hashes}"
+    assert summary["rounds"][-1]["eval_loss"] < summary["initial_eval_loss"] - 1.0, "the loss did not fall"
+
+
+def _diagnose(tmp_path, summary) -> str:
+    logs = {p.name: p.read_text()[-1500:] for p in sorted(tmp_path.glob("*.log"))}
+    return json.dumps(summary.get("events"), indent=1) + "\n" + "\n".join(f"== {k}\n{v}" for k, v in logs.items())
+
+
+def _events(summary, kind):
+    return [e for e in summary["events"] if e["kind"] == kind]
+
+
+def _committed(tmp_path, name):
+    return [r["round"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")
+            if r.get("event") == "round" and r["committed"]]
+
+
+@pytest.mark.timeout(420)
+def test_kill_in_inner_steps_then_late_join_then_graceful_leave(tmp_path, process_tag):
+    plan = ChaosPlan(faults={"peer1": "kill:inner:2"}, actions=[(3, "join", "join0"), (4, "leave", "peer2")])
+    summary = _run(tmp_path, peers=3, rounds=6, plan=plan)
+    assert [e["peer"] for e in _events(summary, "kill")] == ["peer1"]
+    joins = _events(summary, "state_join")
+    assert [e["peer"] for e in joins] == ["join0"], "the joiner must download θ_global and momentum from a peer"
+    assert _committed(tmp_path, "join0")[-1] == 6  # it took part until the end
+    leaver = _committed(tmp_path, "peer2")
+    assert leaver and leaver[-1] < 6  # it left early ...
+    assert "stopping after the current step" in (tmp_path / "peer2.log").read_text()  # ... on SIGTERM, cleanly
+
+
+@pytest.mark.timeout(420)
+def test_kill_in_matchmaking_and_bootstrap_loss_then_join_through_a_peer(tmp_path, process_tag):
+    plan = ChaosPlan(faults={"peer1": "kill:matchmaking:2"},
+                     actions=[(2, "kill_bootstrap", "bootstrap"), (3, "join", "join0")])
+    summary = _run(tmp_path, peers=3, rounds=6, plan=plan)
+    assert {e["peer"] for e in _events(summary, "kill")} == {"peer1", "bootstrap"}
+    assert [e["peer"] for e in _events(summary, "state_join")] == ["join0"]  # joined with the bootstrap node dead
+    assert _committed(tmp_path, "join0")[-1] == 6
+
+
+@pytest.mark.timeout(420)
+def test_kill_while_the_allreduce_is_in_flight(tmp_path, process_tag):
+    plan = ChaosPlan(faults={"peer2": "kill:allreduce:2"})
+    summary = _run(tmp_path, peers=3, rounds=5, plan=plan)
+    assert [(e["peer"], e["phase"]) for e in _events(summary, "kill")] == [("peer2", "allreduce")]
+    for name in ("peer0", "peer1"):
+        assert _committed(tmp_path, name)[-1] == 5 or _events(summary, "state_repair")
+
+
+@pytest.mark.timeout(420)
+def test_donor_killed_while_serving_state_to_a_joiner(tmp_path, process_tag):
+    plan = ChaosPlan(faults={"peer0": "kill:serving:2"}, actions=[(1, "join", "join0")])
+    summary = _run(tmp_path, peers=3, rounds=5, plan=plan)
+    assert [(e["peer"], e["phase"]) for e in _events(summary, "kill")] == [("peer0", "serving")]
+    join = _events(summary, "state_join")
+    assert [e["peer"] for e in join] == ["join0"] and "from peer0" not in join[0]["phase"]  # the next donor served
+
+
+@pytest.mark.timeout(420)
+def test_frozen_peer_mid_allreduce_is_timed_out_not_waited_for(tmp_path, process_tag):
+    plan = ChaosPlan(faults={"peer1": "stall:allreduce:2"})
+    summary = _run(tmp_path, peers=3, rounds=4, plan=plan)
+    assert max(r["round"] for r in summary["rounds"] if "peer1" in r["global_params_sha256"]) <= 1
+
+
+@pytest.mark.timeout(420)
+def test_churn_over_ten_rounds_with_two_leaves_and_two_joins(tmp_path, process_tag):
+    plan = ChaosPlan(actions=[(2, "join", "join0"), (4, "leave", "peer1"), (5, "join", "join1"),
+                              (7, "leave", "peer2")])
+    summary = _run(tmp_path, peers=3, rounds=10, plan=plan, inner_steps=5)
+    assert len(_events(summary, "leave")) == 2 and len(_events(summary, "state_join")) == 2
+    assert all(_committed(tmp_path, name)[-1] == 10 for name in ("peer0", "join0", "join1"))
