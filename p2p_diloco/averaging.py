@@ -274,7 +274,7 @@ class CanonicalAverager(DecentralizedAverager):
             yield message
             served += 1
             if self._fault is not None and served == 1 and self._fault.phase == "serving":
-                self._fault.strike()  # armed only in the round it names: see Averager.arm_serving_fault
+                self._fault.strike()  # armed from the round it names on: see Averager.serve_state
 
     async def _download_state(self, future, donors: list, timeout: float):
         """Try ``donors`` (base58 peer ids) in order; resolve ``future`` with (metadata, tensors, donor) or None."""

@@ -115,10 +115,10 @@ class Peer:
             return
         deadline = time.monotonic() + self.cfg.run.expected_peers_timeout
         while not self.stop_event.is_set() and time.monotonic() < deadline:
-            present = len(self._live_roster())
-            if present >= expected:
-                return
-            self.log.info(f"waiting for peers: {present} of {expected} present")
+            roster = self._live_roster()
+            if len(roster) >= expected or any(s.round > 0 for s in roster):
+                return  # everyone is here, or the run started without us: join it
+            self.log.info(f"waiting for peers: {len(roster)} of {expected} present")
             self.stop_event.wait(1.0)  # the roster lives in the DHT: there is no event to wait on, so poll
         self.log.warning(f"starting without the {expected} expected peers")
 
@@ -141,7 +141,25 @@ class Peer:
                 self.save()
 
     def _finished(self) -> bool:
-        return self.cfg.run.rounds is not None and self.round >= self.cfg.run.rounds
+        if self.cfg.run.rounds is not None and self.round >= self.cfg.run.rounds:
+            return True
+        return self._run_is_over()
+
+    def _run_is_over(self) -> bool:
+        """True if every other peer has left the run after training all of ``run.rounds``: nobody is left to
+        average with, and the run's result exists elsewhere (a lone peer otherwise keeps training and waits)."""
+        if self.dht is None or self.cfg.run.rounds is None:
+            return False
+        from p2p_diloco.dht import read_roster
+
+        others = [s for s in read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+                  if s.peer_id != self.peer_id]
+        finished = [s for s in others if s.leaving and s.round >= self.cfg.run.rounds]
+        if finished and all(s.leaving for s in others):
+            self.log.warning(f"the run finished without us: {', '.join(s.name for s in finished)} left after "
+                             f"round {self.cfg.run.rounds}; stopping at round {self.round}")
+            return True
+        return False
 
     def _inner_steps(self, steps: int) -> tuple[float, int]:
         """H inner steps on θ_local; returns (mean loss, tokens). Stops early, between steps, if asked to."""
@@ -237,8 +255,7 @@ class Peer:
     def _live_roster(self) -> list[PeerStatus]:
         from p2p_diloco.dht import read_roster
 
-        roster = read_roster(self.dht, self.prefix, timeout=self.cfg.averaging.request_timeout)
-        return [s for s in roster if not s.leaving]
+        return [s for s in read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout) if not s.leaving]
 
     def _state_changed(self) -> None:
         if self.dht is not None:

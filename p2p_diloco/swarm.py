@@ -200,8 +200,8 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
                 _act(swarm, events, *pending.pop(0))
             events.note_exits(swarm.peers, plan.faults)
             stalled = {n for n, f in plan.faults.items() if f.startswith("stall:")}  # frozen, never exit
-            if not pending and all(c.proc.poll() is not None for n, c in swarm.peers.items() if n not in stalled):
-                break
+            if all(c.proc.poll() is not None for n, c in swarm.peers.items() if n not in stalled):
+                break  # every peer is done (actions still pending can no longer happen)
             if timeout is not None and time.monotonic() - start > timeout:
                 echo(f"swarm: timed out after {timeout:.0f} s; stopping peers")
                 break
@@ -223,7 +223,7 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
 
 def _act(swarm: LocalSwarm, events: "EventLog", after_round: int, kind: str, name: str) -> None:
     if kind == "join":
-        swarm.start_peer(name)
+        swarm.start_peer(name, ["--run.expected_peers=1"])  # a joiner joins the run under way
         events.add("join", name, f"after round {after_round}")
     elif kind == "leave":
         child = swarm.peers.get(name)

@@ -16,7 +16,8 @@ SMALL = {"inner.batch_size": 4, "model.seq_len": 64, "data.eval_batches": 2, "av
          "averaging.next_chunk_timeout": 10.0, "averaging.roster_ttl": 10.0}
 
 
-def _run(tmp_path, peers, rounds, plan, inner_steps=8, **extra):
+def _run(tmp_path, peers, rounds, plan, inner_steps=20, **extra):
+    # rounds of ~3 s here: a joiner's process needs ~10 s to start on 2 busy cores, and must find the run going
     cfg = load_config(defaults={**DEMO_DEFAULTS, **SMALL, **extra})
     rc = run_swarm(peers, rounds, inner_steps, str(tmp_path), write_peer_config(tmp_path, cfg), plan=plan,
                    timeout=400, echo=lambda s: None)
@@ -51,40 +52,40 @@ def _committed(tmp_path, name):
 
 @pytest.mark.timeout(420)
 def test_kill_in_inner_steps_then_late_join_then_graceful_leave(tmp_path, process_tag):
-    plan = ChaosPlan(faults={"peer1": "kill:inner:2"}, actions=[(3, "join", "join0"), (4, "leave", "peer2")])
-    summary = _run(tmp_path, peers=3, rounds=6, plan=plan)
+    plan = ChaosPlan(faults={"peer1": "kill:inner:3"}, actions=[(1, "join", "join0"), (4, "leave", "peer2")])
+    summary = _run(tmp_path, peers=3, rounds=7, plan=plan)
     assert [e["peer"] for e in _events(summary, "kill")] == ["peer1"]
     joins = _events(summary, "state_join")
     assert [e["peer"] for e in joins] == ["join0"], "the joiner must download θ_global and momentum from a peer"
-    assert _committed(tmp_path, "join0")[-1] == 6  # it took part until the end
+    assert _committed(tmp_path, "join0")[-1] == 7  # it took part until the end
     leaver = _committed(tmp_path, "peer2")
-    assert leaver and leaver[-1] < 6  # it left early ...
+    assert leaver and leaver[-1] < 7  # it left early ...
     assert "stopping after the current step" in (tmp_path / "peer2.log").read_text()  # ... on SIGTERM, cleanly
 
 
 @pytest.mark.timeout(420)
 def test_kill_in_matchmaking_and_bootstrap_loss_then_join_through_a_peer(tmp_path, process_tag):
-    plan = ChaosPlan(faults={"peer1": "kill:matchmaking:2"},
-                     actions=[(2, "kill_bootstrap", "bootstrap"), (3, "join", "join0")])
-    summary = _run(tmp_path, peers=3, rounds=6, plan=plan)
+    plan = ChaosPlan(faults={"peer1": "kill:matchmaking:3"},
+                     actions=[(1, "kill_bootstrap", "bootstrap"), (2, "join", "join0")])
+    summary = _run(tmp_path, peers=3, rounds=7, plan=plan)
     assert {e["peer"] for e in _events(summary, "kill")} == {"peer1", "bootstrap"}
     assert [e["peer"] for e in _events(summary, "state_join")] == ["join0"]  # joined with the bootstrap node dead
-    assert _committed(tmp_path, "join0")[-1] == 6
+    assert _committed(tmp_path, "join0")[-1] == 7
 
 
 @pytest.mark.timeout(420)
 def test_kill_while_the_allreduce_is_in_flight(tmp_path, process_tag):
     plan = ChaosPlan(faults={"peer2": "kill:allreduce:2"})
-    summary = _run(tmp_path, peers=3, rounds=5, plan=plan)
+    summary = _run(tmp_path, peers=3, rounds=4, plan=plan, inner_steps=8)
     assert [(e["peer"], e["phase"]) for e in _events(summary, "kill")] == [("peer2", "allreduce")]
-    for name in ("peer0", "peer1"):
-        assert _committed(tmp_path, name)[-1] == 5 or _events(summary, "state_repair")
+    for name in ("peer0", "peer1"):  # both survivors finish: by committing, or by repairing from the other
+        assert _committed(tmp_path, name)[-1] == 4 or _events(summary, "state_repair")
 
 
 @pytest.mark.timeout(420)
 def test_donor_killed_while_serving_state_to_a_joiner(tmp_path, process_tag):
     plan = ChaosPlan(faults={"peer0": "kill:serving:2"}, actions=[(1, "join", "join0")])
-    summary = _run(tmp_path, peers=3, rounds=5, plan=plan)
+    summary = _run(tmp_path, peers=3, rounds=7, plan=plan)
     assert [(e["peer"], e["phase"]) for e in _events(summary, "kill")] == [("peer0", "serving")]
     join = _events(summary, "state_join")
     assert [e["peer"] for e in join] == ["join0"] and "from peer0" not in join[0]["phase"]  # the next donor served
@@ -93,14 +94,14 @@ def test_donor_killed_while_serving_state_to_a_joiner(tmp_path, process_tag):
 @pytest.mark.timeout(420)
 def test_frozen_peer_mid_allreduce_is_timed_out_not_waited_for(tmp_path, process_tag):
     plan = ChaosPlan(faults={"peer1": "stall:allreduce:2"})
-    summary = _run(tmp_path, peers=3, rounds=4, plan=plan)
+    summary = _run(tmp_path, peers=3, rounds=4, plan=plan, inner_steps=8)
     assert max(r["round"] for r in summary["rounds"] if "peer1" in r["global_params_sha256"]) <= 1
 
 
 @pytest.mark.timeout(420)
 def test_churn_over_ten_rounds_with_two_leaves_and_two_joins(tmp_path, process_tag):
-    plan = ChaosPlan(actions=[(2, "join", "join0"), (4, "leave", "peer1"), (5, "join", "join1"),
-                              (7, "leave", "peer2")])
-    summary = _run(tmp_path, peers=3, rounds=10, plan=plan, inner_steps=5)
+    plan = ChaosPlan(actions=[(1, "join", "join0"), (3, "join", "join1"), (4, "leave", "peer1"),
+                              (6, "leave", "peer2")])
+    summary = _run(tmp_path, peers=3, rounds=10, plan=plan, inner_steps=12)
     assert len(_events(summary, "leave")) == 2 and len(_events(summary, "state_join")) == 2
     assert all(_committed(tmp_path, name)[-1] == 10 for name in ("peer0", "join0", "join1"))
