@@ -309,10 +309,12 @@ class CanonicalAverager(DecentralizedAverager):
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         return (metadata, tensors) if metadata is not None else None
 
-    async def _set_deadlines(self, allreduce_timeout: float, next_chunk_timeout: float):
+    async def _set_deadlines(self, allreduce_timeout: float, next_chunk_timeout: float, matchmaking_time: float):
         self._allreduce_timeout = allreduce_timeout
         self.next_chunk_timeout = next_chunk_timeout
         self.allreduce_kwargs.update(sender_timeout=next_chunk_timeout, reducer_timeout=2 * next_chunk_timeout)
+        self._matchmaking.min_matchmaking_time = matchmaking_time
+        self._matchmaking.potential_leaders.min_matchmaking_time = matchmaking_time
 
     async def _arm_fault(self, fault):
         self._fault = fault
@@ -347,7 +349,8 @@ class Averager:
         self._group_size = expected_group_size or cfg.target_group_size
         bytes_per_value = 4 if cfg.codec == "fp32" else 2
         self._estimator = DeadlineEstimator(cfg.allreduce_timeout, cfg.next_chunk_timeout, cfg.part_size_bytes,
-                                            payload_bytes=sum(b.numel() for b in buffers) * bytes_per_value)
+                                            payload_bytes=sum(b.numel() for b in buffers) * bytes_per_value,
+                                            matchmaking_floor=cfg.matchmaking_time)
         self.deadlines = self._estimator.deadlines(self._group_size)
 
     @property
@@ -363,7 +366,11 @@ class Averager:
     @property
     def matchmaking_timeout(self) -> float:
         """How long a peer may look for a group (s): two matchmaking windows plus a request round trip."""
-        return 2 * self.cfg.matchmaking_time + self.cfg.request_timeout
+        return 2 * self.deadlines.matchmaking_time + self.cfg.request_timeout
+
+    def observe_round(self, seconds: float) -> None:
+        """A whole round's wall time (inner steps and averaging), for the matchmaking window."""
+        self._estimator.observe_round(seconds)
 
     def average(self, contribution: Contribution, weight: float) -> AverageResult:
         """Find a group and all-reduce the buffers; never raises, never waits beyond the configured timeouts."""
@@ -435,8 +442,9 @@ class Averager:
         deadlines = self._estimator.deadlines(self._group_size)
         if deadlines != self.deadlines:
             self.deadlines = deadlines
-            self._averager._outer_pipe.send(("_set_deadlines", [], dict(
-                allreduce_timeout=deadlines.allreduce_timeout, next_chunk_timeout=deadlines.next_chunk_timeout)))
+            # step() reads the matchmaking window in this process, the matchmaker in the averager process
+            self._averager.matchmaking_kwargs["min_matchmaking_time"] = deadlines.matchmaking_time
+            self._averager._outer_pipe.send(("_set_deadlines", [], asdict(deadlines)))
 
     def _strike_in_matchmaking(self, control) -> None:
         """Fault injection: fail while the averager looks for a group (declared in the DHT, or being joined)."""

@@ -156,6 +156,9 @@ class RunConfig:
                              "peers", _positive, "must be > 0")
     expected_peers_timeout: float = _f(300.0, "give up waiting for expected_peers after this long and start",
                                        "s", _positive, "must be > 0")
+    join_after_round: Optional[int] = _f(None, "stay out of the run (not in the roster, not averaging) until it "
+                                         "reaches this round, then join it; the local swarm uses it to time joins",
+                                         "rounds", _positive, "must be > 0")
     seed: int = _f(0, "seed of the initial θ_global (must match across peers) and of dropout")
 
 

@@ -103,10 +103,18 @@ class Peer:
         (self.run_dir / "maddrs.txt").write_text("\n".join(maddrs) + "\n")
         self.log.info(f"joined run {self.cfg.run.run_id!r} as {self.averager.peer_id} (group key prefix "
                       f"{self.prefix}); others can join through: {' '.join(maddrs)}")
+        self._wait_for_round(self.cfg.run.join_after_round)
         self.averager.serve_state(self._donate_state, self.round)
         self._publish_status()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="roster-heartbeat", daemon=True)
         self._heartbeat.start()
+
+    def _wait_for_round(self, round_: Optional[int]) -> None:
+        """``run.join_after_round``: watch the roster, unseen by others, until the run reaches ``round_``."""
+        while round_ is not None and not self.stop_event.is_set():
+            if max((s.round for s in self._live_roster()), default=0) >= round_:
+                return
+            self.stop_event.wait(0.5)  # the roster lives in the DHT: there is no event to wait on, so poll
 
     def _wait_for_expected_peers(self) -> None:
         """Roster: before round 1, wait (bounded) until ``run.expected_peers`` peers are in the run."""
@@ -131,10 +139,12 @@ class Peer:
         """Train until ``run.rounds`` rounds are committed or a stop is requested."""
         while not self.stop_event.is_set() and not self._finished():
             self._sync()
+            started = time.perf_counter()
             train_loss, tokens = self._inner_steps(self.cfg.diloco.inner_steps)
             if self.stop_event.is_set():
                 break
             result = self._average()
+            self.averager.observe_round(time.perf_counter() - started)
             committed = result.ok and self._commit(result)
             self._log_round(result, committed, train_loss, tokens)
             if committed and self.cfg.run.checkpoint_every and self.round % self.cfg.run.checkpoint_every == 0:

@@ -46,7 +46,9 @@ SET_BY_SWARM = {"run.rounds": "--rounds", "diloco.inner_steps": "--inner-steps",
 class ChaosPlan:
     """What ``--chaos SEED`` does: faults armed in initial peers, and actions taken after a round is committed."""
     faults: dict[str, str] = field(default_factory=dict)              # peer name -> fault.inject
-    actions: list[tuple[int, str, str]] = field(default_factory=list)  # (after round, join|leave|kill_bootstrap, peer)
+    # (after round, kind, peer); kind: join (process started at launch, joins at that round), join_cold (process
+    # started at that round), leave (SIGTERM), kill_bootstrap (SIGKILL)
+    actions: list[tuple[int, str, str]] = field(default_factory=list)
 
 
 def plan_chaos(seed: int, num_peers: int, rounds: int) -> ChaosPlan:
@@ -190,6 +192,11 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
             swarm.start_peer(name, [f"--fault.inject={fault}"] if fault else [])
             if fault:
                 events.add("armed", name, fault)
+        # joiners start now (a process needs seconds to import and build its model) and stay out of the run until
+        # the round of their action: then they join it, fetching its state like any newcomer
+        for after_round, kind, name in plan.actions:
+            if kind == "join":
+                swarm.start_peer(name, ["--run.expected_peers=1", f"--run.join_after_round={after_round}"])
         echo(f"{num_peers} peers started; logs and metrics in {run_dir}")
         pending = list(plan.actions)
         while True:
@@ -222,9 +229,11 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
 
 
 def _act(swarm: LocalSwarm, events: "EventLog", after_round: int, kind: str, name: str) -> None:
-    if kind == "join":
-        swarm.start_peer(name, ["--run.expected_peers=1"])  # a joiner joins the run under way
+    if kind == "join":  # started at launch with --run.join_after_round: it joins by itself now
         events.add("join", name, f"after round {after_round}")
+    elif kind == "join_cold":  # a process started only now, from the addresses of whoever is alive now
+        swarm.start_peer(name, ["--run.expected_peers=1"])
+        events.add("join", name, f"after round {after_round}, new process")
     elif kind == "leave":
         child = swarm.peers.get(name)
         if child is not None and child.proc.poll() is None:

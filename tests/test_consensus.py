@@ -69,6 +69,9 @@ def test_deadlines_start_at_the_floors_and_grow_with_payload_and_slow_links():
     # 2(N-1)/N x 300 MB = 450 MB at 10 MB/s = 45 s expected; 4x margin = 180 s
     assert d.allreduce_timeout == pytest.approx(180.0)
     assert d.next_chunk_timeout == pytest.approx(max(10, 8 * 2 ** 19 / 10e6))
+    assert d.matchmaking_time == 0.0  # no round observed yet: the floor
+    est.observe_round(600.0)  # 10-minute rounds: peers' arrivals spread more
+    assert est.deadlines(4).matchmaking_time == pytest.approx(30.0)
     fast = DeadlineEstimator(60, 10, 2 ** 19, 300_000_000)
     fast.observe(450_000_000, 0.5)  # a fast link never tightens below the configured floors
     assert (fast.deadlines(4).allreduce_timeout, fast.deadlines(4).next_chunk_timeout) == (60, 10)

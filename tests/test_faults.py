@@ -66,11 +66,11 @@ def test_kill_in_inner_steps_then_late_join_then_graceful_leave(tmp_path, proces
 @pytest.mark.timeout(420)
 def test_kill_in_matchmaking_and_bootstrap_loss_then_join_through_a_peer(tmp_path, process_tag):
     plan = ChaosPlan(faults={"peer1": "kill:matchmaking:3"},
-                     actions=[(1, "kill_bootstrap", "bootstrap"), (2, "join", "join0")])
-    summary = _run(tmp_path, peers=3, rounds=7, plan=plan)
+                     actions=[(1, "kill_bootstrap", "bootstrap"), (2, "join_cold", "join0")])
+    summary = _run(tmp_path, peers=3, rounds=9, plan=plan, inner_steps=40)  # outlasts join0's process start
     assert {e["peer"] for e in _events(summary, "kill")} == {"peer1", "bootstrap"}
     assert [e["peer"] for e in _events(summary, "state_join")] == ["join0"]  # joined with the bootstrap node dead
-    assert _committed(tmp_path, "join0")[-1] == 7
+    assert _committed(tmp_path, "join0")[-1] == 9
 
 
 @pytest.mark.timeout(420)
@@ -102,6 +102,6 @@ def test_frozen_peer_mid_allreduce_is_timed_out_not_waited_for(tmp_path, process
 def test_churn_over_ten_rounds_with_two_leaves_and_two_joins(tmp_path, process_tag):
     plan = ChaosPlan(actions=[(1, "join", "join0"), (3, "join", "join1"), (4, "leave", "peer1"),
                               (6, "leave", "peer2")])
-    summary = _run(tmp_path, peers=3, rounds=10, plan=plan, inner_steps=12)
+    summary = _run(tmp_path, peers=3, rounds=10, plan=plan, inner_steps=30)  # the run outlasts join1's start
     assert len(_events(summary, "leave")) == 2 and len(_events(summary, "state_join")) == 2
     assert all(_committed(tmp_path, name)[-1] == 10 for name in ("peer0", "join0", "join1"))

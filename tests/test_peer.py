@@ -41,6 +41,9 @@ class FakeAverager:
             self.buffers[0].view(-1)[0] = float("nan")
         return AverageResult(ok=True, group_size=1, peers=[contribution.name], tokens=contribution.tokens)
 
+    def observe_round(self, seconds):
+        pass
+
     def close(self):
         pass
 
