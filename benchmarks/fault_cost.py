@@ -6,7 +6,7 @@ is the survivors' wall time from the commit of round 2 to the commit of round 4,
 between the commits of undisturbed rounds of the same run (the reference is measured in the same run, so the
 machine's load cancels out). Run:
 
-    python benchmarks/fault_cost.py [--phase inner --phase allreduce ...] [--inner-steps 10]
+    python benchmarks/fault_cost.py [--phase inner --phase allreduce ...] [--inner-steps 10] [--roster-ttl 6]
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ def commit_times(run_dir: Path, survivors: list[str]) -> dict[int, float]:
     return {k: statistics.mean(v) for k, v in times.items()}
 
 
-def measure(phase: str, inner_steps: int, rounds: int) -> dict:
+def measure(phase: str, inner_steps: int, rounds: int, roster_ttl: float) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"fault-{phase}-"))
-    cfg = load_config(defaults={**DEMO_DEFAULTS, "averaging.roster_ttl": 15.0})
+    cfg = load_config(defaults={**DEMO_DEFAULTS, "averaging.roster_ttl": roster_ttl})
     plan = scenario(phase)
     rc = run_swarm(3, rounds, inner_steps, str(run_dir), write_peer_config(run_dir, cfg), plan=plan, timeout=600,
                    echo=lambda s: None)
@@ -65,11 +65,13 @@ def main() -> None:
     parser.add_argument("--phase", action="append", choices=PHASES, help="phase(s) to measure (default: all)")
     parser.add_argument("--inner-steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--roster-ttl", type=float, default=DEMO_DEFAULTS["averaging.roster_ttl"],
+                        help="averaging.roster_ttl (s): how long a dead peer still counts in the roster")
     args = parser.parse_args()
     print("| phase of the crash | median round s (same run) | survivors' time lost s | hashes agree | exit |")
     print("|---|---|---|---|---|")
     for phase in args.phase or PHASES:
-        r = measure(phase, args.inner_steps, args.rounds)
+        r = measure(phase, args.inner_steps, args.rounds, args.roster_ttl)
         print(f"| {r['phase']} | {r['normal_round_s']} | {r['lost_s']} | {r['agree']} | {r['exit']} |", flush=True)
 
 

@@ -50,15 +50,16 @@ def _donor(preset, maddr_queue, done):
 
 
 def measure(preset: str) -> dict:
+    # fork the donor before this process imports hivemind (its objects do not survive a spawn's pickling)
+    ctx = mp.get_context("fork")
+    queue, done = ctx.Queue(), ctx.Event()
+    donor = ctx.Process(target=_donor, args=(preset, queue, done))
+    donor.start()
     from p2p_diloco.averaging import Averager
     from p2p_diloco.config import AveragingConfig, NetworkConfig
     from p2p_diloco.dht import start_dht
     from p2p_diloco.outer import state_digests
 
-    ctx = mp.get_context("spawn")
-    queue, done = ctx.Queue(), ctx.Event()
-    donor = ctx.Process(target=_donor, args=(preset, queue, done))
-    donor.start()
     try:
         maddrs, donor_id = queue.get(timeout=600)
         shapes = _shapes(preset)
