@@ -30,21 +30,20 @@ from typing import AsyncIterator, Iterator, Optional, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.compression import (Float16Compression, NoCompression, ScaledFloat16Compression,
-                                  deserialize_torch_tensor, serialize_torch_tensor)
+from hivemind.averaging.partition import AllreduceException
+from hivemind.compression import Float16Compression, NoCompression, ScaledFloat16Compression, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import (aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip,
-                                    enter_asynchronously)
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
 from hivemind.utils.streaming import combine_from_streaming
 
 from p2p_diloco import dht as _dht  # noqa: F401  (imported first for its torch sharing-strategy setting)
+from p2p_diloco.allreduce import CanonicalAllReduceRunner
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.consensus import majority_state
 from p2p_diloco.deadlines import DeadlineEstimator
@@ -88,123 +87,6 @@ def choose_participants(contributions: Sequence[Contribution]) -> list[int]:
     """
     best = majority_state([(c.round, c.digest) for c in contributions])
     return [i for i, c in enumerate(contributions) if (c.round, c.digest) == best and c.tokens > 0]
-
-
-class CanonicalAllReduceRunner(AllReduceRunner):
-    """Butterfly all-reduce whose reducers stream the encoded average itself; any lost part fails the whole run."""
-
-    def __init__(self, *, codec_type, fault=None, **kwargs):
-        super().__init__(**kwargs)
-        self.codec_type = codec_type
-        self.fault = fault  # faults.Fault to strike once this reducer has streamed an averaged part (tests)
-        self.tensor_part_container.return_deltas = False
-        self.failed_reducers: set = set()
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self._encoded_averages: dict[int, asyncio.Future] = {}
-        self._parts_received = [0] * len(self.ordered_peer_ids)  # averaged parts registered, by reducer index
-
-    async def _encode_average(self, part_index: int, averaged: torch.Tensor):
-        """Encode the average of one of our parts once; every recipient (us included) gets these same bytes."""
-        if part_index not in self._encoded_averages:
-            self._encoded_averages[part_index] = asyncio.get_event_loop().run_in_executor(
-                None, serialize_torch_tensor, averaged, self.codec_type)
-        return await self._encoded_averages[part_index]
-
-    def _check_senders_intact(self) -> None:
-        if self.banned_senders:
-            raise AllreduceException(f"sender(s) {sorted(map(str, self.banned_senders))} failed: abort this part")
-
-    async def _communicate_with_peer(self, peer_id):
-        peer_index = self.ordered_peer_ids.index(peer_id)
-        try:
-            if peer_id == self.peer_id:
-                await self._reduce_own_parts(peer_index)
-            else:
-                await self._exchange_with_reducer(peer_id, peer_index)
-        except BaseException as e:
-            complete = self._parts_received[peer_index] == self.tensor_part_container.num_parts_by_peer[peer_index]
-            if complete and isinstance(e, Exception):
-                # every part of this reducer arrived; the error came later (e.g. as the stream closed)
-                logger.debug(f"{self}: reducer {peer_id} complete, then {e!r}")
-                return
-            if isinstance(e, Exception):
-                logger.warning(f"lost parts {self._parts_received[peer_index]}+ of reducer {peer_id}: {e!r}")
-            self.failed_reducers.add(peer_id)
-            self.tensor_part_container.register_failed_reducer(peer_index)  # unblocks output iteration; round fails
-            raise
-
-    async def _reduce_own_parts(self, peer_index: int) -> None:
-        sender_index = self.sender_peer_ids.index(self.peer_id)
-        loop = asyncio.get_event_loop()
-        for part_index, part in enumerate(self.parts_for_local_averaging):
-            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=self.weight)
-            self._check_senders_intact()
-            encoded = await self._encode_average(part_index, averaged)
-            decoded = await loop.run_in_executor(None, deserialize_torch_tensor, encoded)
-            self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
-            self._parts_received[peer_index] += 1
-
-    async def _exchange_with_reducer(self, peer_id, peer_index: int) -> None:
-        done_sending = asyncio.Event()
-        inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
-        stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
-        if self.should_delay_results(self.peer_id):
-            await done_sending.wait()
-
-        def decode(msg):
-            if msg.code != averaging_pb2.AVERAGED_PART:
-                raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-            self.bytes_received += len(msg.tensor_part.buffer)
-            return deserialize_torch_tensor(msg.tensor_part)
-
-        part_index = 0
-        async for averaged in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
-                                               max_prefetch=self.tensor_part_container.prefetch):
-            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
-            self._parts_received[peer_index] += 1
-            part_index += 1
-        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
-        if part_index != expected:
-            raise AllreduceException(f"{peer_id} sent {part_index} of {expected} parts")
-
-    async def _generate_input_for_peer(self, peer_index: int):
-        async for msg in super()._generate_input_for_peer(peer_index):
-            self.bytes_sent += len(msg.tensor_part.buffer)
-            yield msg
-
-    async def _accumulate_parts_streaming(self, stream, sender_index: int):
-        """Reducer side: average each part over all senders, then stream the encoded average back to this sender."""
-        part_index, ended = 0, "input ended"
-        try:
-            async for part, weight in amap_in_executor(
-                    lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight), stream,
-                    max_prefetch=self.tensor_part_container.prefetch):
-                if not (weight >= 0 and weight != float("inf")):
-                    raise AllreduceException(f"sender {sender_index} sent invalid weight {weight}")
-                try:
-                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
-                                                                              weight=weight)
-                except BannedException:
-                    ended = "sender banned"
-                    break
-                if self.banned_senders:  # this part may now be averaged over fewer senders: serve nothing more
-                    yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
-                    return
-                encoded = await self._encode_average(part_index, averaged)
-                part_index += 1
-                self.bytes_sent += len(encoded.buffer)
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
-                if self.fault is not None:
-                    self.fault.strike()
-        except BaseException as e:
-            ended = repr(e)  # GeneratorExit: the transport stopped reading; CancelledError: the stream was closed
-            raise
-        finally:
-            if part_index != self.tensor_part_reducer.num_parts:
-                logger.warning(f"reducer: stream to sender {self.sender_peer_ids[sender_index]} ended after "
-                               f"{part_index} of {self.tensor_part_reducer.num_parts} parts ({ended})")
-                await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
 class CanonicalAverager(DecentralizedAverager):

@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         return p
 
     from p2p_diloco.bootstrap import DEFAULTS as BOOTSTRAP_DEFAULTS
-    from p2p_diloco.swarm import DEMO_DEFAULTS, SET_BY_SWARM
+    from p2p_diloco.swarm import DEMO_DEFAULTS
 
     b = command("bootstrap", "Run a DHT-only bootstrap node that peers use to find each other.", _cmd_bootstrap,
                 ["network"], BOOTSTRAP_DEFAULTS)

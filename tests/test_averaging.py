@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
-import queue
 
 import pytest
 import torch
