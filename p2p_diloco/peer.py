@@ -137,8 +137,11 @@ class Peer:
     # ------------------------------------------------------------------------------------------------ run
     def run(self) -> None:
         """Train until ``run.rounds`` rounds are committed or a stop is requested."""
-        while not self.stop_event.is_set() and not self._finished():
-            self._sync()
+        while not self.stop_event.is_set():
+            roster = self._roster()  # one DHT read serves both checks at the start of a round
+            if self._finished(roster):
+                break
+            self._sync([s for s in roster if not s.leaving])
             started = time.perf_counter()
             train_loss, tokens = self._inner_steps(self.cfg.diloco.inner_steps)
             if self.stop_event.is_set():
@@ -150,20 +153,17 @@ class Peer:
             if committed and self.cfg.run.checkpoint_every and self.round % self.cfg.run.checkpoint_every == 0:
                 self.save()
 
-    def _finished(self) -> bool:
+    def _finished(self, roster: list[PeerStatus]) -> bool:
         if self.cfg.run.rounds is not None and self.round >= self.cfg.run.rounds:
             return True
-        return self._run_is_over()
+        return self._run_is_over(roster)
 
-    def _run_is_over(self) -> bool:
+    def _run_is_over(self, roster: list[PeerStatus]) -> bool:
         """True if every other peer has left the run after training all of ``run.rounds``: nobody is left to
         average with, and the run's result exists elsewhere (a lone peer otherwise keeps training and waits)."""
         if self.dht is None or self.cfg.run.rounds is None:
             return False
-        from p2p_diloco.dht import read_roster
-
-        others = [s for s in read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
-                  if s.peer_id != self.peer_id]
+        others = [s for s in roster if s.peer_id != self.peer_id]
         finished = [s for s in others if s.leaving and s.round >= self.cfg.run.rounds]
         if finished and all(s.leaving for s in others):
             self.log.warning(f"the run finished without us: {', '.join(s.name for s in finished)} left after "
@@ -262,22 +262,28 @@ class Peer:
         while not self._closed.wait(self.cfg.averaging.roster_ttl / 3):
             self._publish_status()
 
-    def _live_roster(self) -> list[PeerStatus]:
+    def _roster(self) -> list[PeerStatus]:
+        """Every unexpired roster entry, leavers included; [] without a swarm (mocked averaging)."""
+        if self.dht is None:
+            return []
         from p2p_diloco.dht import read_roster
 
-        return [s for s in read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout) if not s.leaving]
+        return read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+
+    def _live_roster(self) -> list[PeerStatus]:
+        return [s for s in self._roster() if not s.leaving]
 
     def _state_changed(self) -> None:
         if self.dht is not None:
             self._publish_status()
             self.averager.serve_state(self._donate_state, self.round)
 
-    def _sync(self) -> None:
+    def _sync(self, live_roster: list[PeerStatus]) -> None:
         """Before contributing: if the run has moved past our θ_global, or most peers hold other bytes for our
         round, fetch the run's state from a peer that holds it (digest-checked). Our local progress is dropped."""
         if self.dht is None:
             return
-        target = sync_target(self._status(), self._live_roster())
+        target = sync_target(self._status(), live_roster)
         if target is None:
             return
         if not target.donors:
