@@ -138,6 +138,7 @@ class Peer:
     def run(self) -> None:
         """Train until ``run.rounds`` rounds are committed or a stop is requested."""
         while not self.stop_event.is_set():
+            begun = time.perf_counter()
             roster = self._roster()  # one DHT read serves both checks at the start of a round
             if self._finished(roster):
                 break
@@ -146,10 +147,15 @@ class Peer:
             train_loss, tokens = self._inner_steps(self.cfg.diloco.inner_steps)
             if self.stop_event.is_set():
                 break
+            inner_done = time.perf_counter()
             result = self._average()
             self.averager.observe_round(time.perf_counter() - started)
             committed = result.ok and self._commit(result)
-            self._log_round(result, committed, train_loss, tokens)
+            # wall time of this round by part: sync (roster read, state repair), inner steps, and the rest
+            # (pseudo-gradient, matchmaking, all-reduce, outer step); evaluation is not counted
+            timing = {"time/sync_s": started - begun, "time/inner_s": inner_done - started,
+                      "time/round_s": time.perf_counter() - begun}
+            self._log_round(result, committed, train_loss, tokens, timing)
             if committed and self.cfg.run.checkpoint_every and self.round % self.cfg.run.checkpoint_every == 0:
                 self.save()
 
@@ -218,7 +224,7 @@ class Peer:
         self._state_changed()
         return True
 
-    def _log_round(self, result, committed: bool, train_loss: float, tokens: int) -> None:
+    def _log_round(self, result, committed: bool, train_loss: float, tokens: int, timing: dict) -> None:
         deadlines = getattr(self.averager, "deadlines", None)  # a mocked averager has none
         deadline = deadlines.allreduce_timeout if deadlines is not None else None
         record = {"event": "round", "peer": self.name, "round": self.round, "committed": committed,
@@ -227,7 +233,7 @@ class Peer:
                   "outer/allreduce_only_s": result.allreduce_seconds, "outer/allreduce_timeout_s": deadline,
                   "outer/bytes_sent": result.bytes_sent, "outer/bytes_received": result.bytes_received,
                   "global_params_sha256": self.global_digest, "state_sha256": self.state_digest,
-                  "error": result.error}
+                  "error": result.error, **timing}
         eval_every = self.cfg.run.eval_every
         if committed and eval_every and self.round % eval_every == 0:
             record["eval/loss"] = self._evaluate()

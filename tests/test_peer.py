@@ -75,6 +75,22 @@ def test_commit_applies_the_nesterov_step_to_the_averaged_pseudo_gradient(tmp_pa
     peer.close()
 
 
+def test_round_records_break_the_wall_time_down(tmp_path):
+    """benchmarks/utilization.py reads these: sync and inner steps are parts of the round's wall time."""
+    import json
+
+    peer, _ = _peer(tmp_path, ["ok", "fail", "ok"], rounds=2)
+    peer.run()
+    peer.close()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    rounds = [r for r in map(json.loads, lines) if r.get("event") == "round"]
+    assert [r["committed"] for r in rounds] == [True, False, True]
+    for r in rounds:
+        assert r["time/sync_s"] >= 0 and r["time/inner_s"] > 0
+        assert r["time/sync_s"] + r["time/inner_s"] <= r["time/round_s"]
+        assert r["train/tokens"] == 3 * 2 * 32
+
+
 def test_failed_round_keeps_theta_global_and_carries_the_work_forward(tmp_path):
     peer, fake = _peer(tmp_path, ["fail", "ok"], rounds=1)
     theta0 = peer.state_digest

@@ -1,0 +1,46 @@
+"""Helpers shared by the benchmark scripts: the demo config, local swarm runs and their per-peer records."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from p2p_diloco.config import Config, load_config
+from p2p_diloco.metrics import read_jsonl
+from p2p_diloco.swarm import DEMO_DEFAULTS, run_swarm, write_peer_config
+
+
+def demo_config(**overrides) -> Config:
+    """The local swarm's demo config (tiny model, embedded corpus) with ``overrides`` ("section.key": value)."""
+    return load_config(defaults={**DEMO_DEFAULTS, **overrides})
+
+
+def swarm_records(num_peers: int, rounds: int, inner_steps: int, cfg: Config, tag: str,
+                  timeout: float = 900) -> dict[str, list[dict]]:
+    """Run a local swarm to completion; return each peer's ``round`` records. Raises if the swarm failed."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{tag}-"))
+    rc = run_swarm(num_peers, rounds, inner_steps, str(run_dir), write_peer_config(run_dir, cfg), timeout=timeout,
+                   echo=lambda s: None)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if rc != 0 or len(summary["rounds"]) < rounds:
+        raise RuntimeError(f"swarm {tag} failed (exit {rc}, {len(summary['rounds'])} of {rounds} rounds): {run_dir}")
+    return {p.name: [r for r in read_jsonl(p / "metrics.jsonl") if r.get("event") == "round"]
+            for p in sorted(run_dir.iterdir()) if (p / "metrics.jsonl").is_file()}
+
+
+def median(xs) -> float:
+    return statistics.median(list(xs))
+
+
+def fmt(x: Optional[float], digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}g}" if abs(x) < 10 ** digits else f"{x:.0f}"
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
