@@ -20,15 +20,20 @@ def demo_config(**overrides) -> Config:
 
 def swarm_records(num_peers: int, rounds: int, inner_steps: int, cfg: Config, tag: str,
                   timeout: float = 900) -> dict[str, list[dict]]:
-    """Run a local swarm to completion; return each peer's ``round`` records. Raises if the swarm failed."""
+    """Run a local swarm to completion; return each peer's metrics records. Raises if the swarm failed."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{tag}-"))
     rc = run_swarm(num_peers, rounds, inner_steps, str(run_dir), write_peer_config(run_dir, cfg), timeout=timeout,
                    echo=lambda s: None)
     summary = json.loads((run_dir / "summary.json").read_text())
     if rc != 0 or len(summary["rounds"]) < rounds:
         raise RuntimeError(f"swarm {tag} failed (exit {rc}, {len(summary['rounds'])} of {rounds} rounds): {run_dir}")
-    return {p.name: [r for r in read_jsonl(p / "metrics.jsonl") if r.get("event") == "round"]
-            for p in sorted(run_dir.iterdir()) if (p / "metrics.jsonl").is_file()}
+    return {p.name: read_jsonl(p / "metrics.jsonl") for p in sorted(run_dir.iterdir())
+            if (p / "metrics.jsonl").is_file()}
+
+
+def rounds_of(records: list[dict]) -> list[dict]:
+    """The ``round`` records among a peer's metrics records."""
+    return [r for r in records if r.get("event") == "round"]
 
 
 def median(xs) -> float:

@@ -20,12 +20,13 @@ loss against tokens. Run:
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 import torch
 
-from common import demo_config, median, swarm_records, table
+from common import demo_config, median, rounds_of, swarm_records, table
 
 from p2p_diloco.data import build_data
 from p2p_diloco.inner import InnerTrainer, evaluate
@@ -50,13 +51,15 @@ def local_run(steps: int, batch_mult: int, eval_every: int, seed: int) -> dict:
 def diloco_run(peers: int, inner_steps: int, rounds: int, seed: int) -> dict:
     """A real local swarm; the curve is peer0's eval loss of θ_global after each round vs the swarm's tokens."""
     cfg = demo_config(**{"data.seed": seed, "run.seed": seed, "averaging.min_group_size": min(peers, 2)})
-    records = swarm_records(peers, rounds, inner_steps, cfg, f"conv-{peers}x{inner_steps}")
+    everything = swarm_records(peers, rounds, inner_steps, cfg, f"conv-{peers}x{inner_steps}")
+    records = {name: rounds_of(recs) for name, recs in everything.items()}
     by_round: dict[int, int] = {}
     for recs in records.values():
         for r in recs:
             if r["committed"]:
                 by_round[r["round"]] = by_round.get(r["round"], 0) + r["train/tokens"]
-    tokens, curve = 0, []
+    start = next(r for r in everything["peer0"] if r.get("event") == "start")
+    tokens, curve = 0, [(0, start["eval/loss"])]
     for r in records["peer0"]:
         if r["committed"] and "eval/loss" in r:
             tokens = sum(v for k, v in by_round.items() if k <= r["round"])
@@ -111,8 +114,9 @@ def main() -> None:
                      " / ".join(f"{r['curve'][-1][1]:.4f}" for r in runs), f"{sent / 1e6:.1f} {how}".strip()])
     print(f"\nseeds {args.seeds}; {params / 1e6:.2f}M parameters; {steps} inner steps per worker\n")
     print(table(["method", "tokens", "final eval loss (median)", "per seed", "MB sent per worker"], rows))
+    Path(args.plot).with_suffix(".json").write_text(json.dumps(results))  # the curves, to redraw or compare
     plot(results, args.plot, f"tiny model ({params / 1e6:.2f}M), embedded corpus, seed {args.seeds[0]}")
-    print(f"\nplot: {args.plot}")
+    print(f"\nplot: {args.plot} (curves: {Path(args.plot).with_suffix('.json')})")
 
 
 def plot(results: dict[str, list[dict]], path: str, title: str) -> None:

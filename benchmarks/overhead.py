@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from common import demo_config, median, swarm_records, table
+from common import demo_config, median, rounds_of, swarm_records, table
 
 from p2p_diloco.data import build_data
 from p2p_diloco.model import build_model
@@ -52,7 +52,7 @@ def plain_loop(steps: int) -> float:
 def peer_loop(steps: int) -> float:
     records = swarm_records(1, 1, steps, demo_config(**{"averaging.min_group_size": 1, "run.eval_every": 0}),
                             "overhead")
-    (r,) = [r for r in records["peer0"] if r["committed"]]
+    (r,) = [r for r in rounds_of(records["peer0"]) if r["committed"]]
     return r["train/tokens"] / r["time/inner_s"]
 
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 
-from common import demo_config, median, swarm_records, table
+from common import demo_config, median, rounds_of, swarm_records, table
 
 
 def measure(peers: int, h: int, rounds: int) -> dict:
     records = swarm_records(peers, rounds, h, demo_config(**{"run.eval_every": 0}), f"util-h{h}")
-    rows = [r for recs in records.values() for r in recs if r["committed"] and r["round"] > 1]
+    rows = [r for recs in records.values() for r in rounds_of(recs) if r["committed"] and r["round"] > 1]
     if not rows:
         raise RuntimeError(f"H={h}: no committed round after the first")
     share = lambda key: median(r[key] / r["time/round_s"] for r in rows)  # noqa: E731

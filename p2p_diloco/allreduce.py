@@ -16,7 +16,7 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 
 logger = logging.getLogger(__name__)
 
@@ -77,25 +77,44 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             self._parts_received[peer_index] += 1
 
     async def _exchange_with_reducer(self, peer_id, peer_index: int) -> None:
-        done_sending = asyncio.Event()
-        inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
-        stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
-        if self.should_delay_results(self.peer_id):
-            await done_sending.wait()
+        done_sending, all_received = asyncio.Event(), asyncio.Event()
+        delayed = self.should_delay_results(self.peer_id)  # the reducer answers only once our input has ended
+        inputs = self._inputs_for_reducer(peer_index, done_sending, None if delayed else all_received)
+        try:
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if delayed:
+                await done_sending.wait()
+            await self._receive_averages(peer_id, peer_index, stream, all_received)
+        finally:
+            all_received.set()  # never leave our input stream waiting
 
+    async def _inputs_for_reducer(self, peer_index: int, done_sending: asyncio.Event,
+                                  hold_until: "asyncio.Event | None"):
+        """Our parts for one reducer; then, unless the reducer waits for our input to end, keep the input open until
+        every averaged part has arrived. The reducer's handler returns (and its end of the stream closes) only after
+        our input ends, so no averaged part is still in flight when the stream closes: closing a stream with data
+        in flight could drop its tail, which hivemind's client reads as a normal end of stream."""
+        async for msg in self._generate_input_for_peer(peer_index):
+            yield msg
+        done_sending.set()
+        if hold_until is not None:
+            await hold_until.wait()
+
+    async def _receive_averages(self, peer_id, peer_index: int, stream, all_received: asyncio.Event) -> None:
         def decode(msg):
             if msg.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
             self.bytes_received += len(msg.tensor_part.buffer)
             return deserialize_torch_tensor(msg.tensor_part)
 
-        part_index = 0
+        part_index, expected = 0, self.tensor_part_container.num_parts_by_peer[peer_index]
         async for averaged in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
                                                max_prefetch=self.tensor_part_container.prefetch):
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
             self._parts_received[peer_index] += 1
             part_index += 1
-        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+            if part_index == expected:
+                all_received.set()  # ends our input; the reducer then closes the stream, ending this loop
         if part_index != expected:
             raise AllreduceException(f"{peer_id} sent {part_index} of {expected} parts")
 
