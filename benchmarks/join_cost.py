@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--initial-peers", type=json.loads, default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        args.preset = args.preset[0]  # one for a worker
         return worker(args)
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
