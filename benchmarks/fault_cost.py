@@ -6,7 +6,7 @@ is the survivors' wall time from the commit of round 2 to the commit of round 4,
 between the commits of undisturbed rounds of the same run (the reference is measured in the same run, so the
 machine's load cancels out). Run:
 
-    python benchmarks/fault_cost.py [--phase inner --phase allreduce ...] [--inner-steps 10] [--roster-ttl 6]
+    python benchmarks/fault_cost.py [--phase inner --phase allreduce ...] [--roster-ttl 6] [--runs 3]
 """
 
 from __future__ import annotations
@@ -67,13 +67,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--roster-ttl", type=float, default=DEMO_DEFAULTS["averaging.roster_ttl"],
                         help="averaging.roster_ttl (s): how long a dead peer still counts in the roster")
+    parser.add_argument("--runs", type=int, default=1, help="runs per phase; the table gives medians (default 1)")
     args = parser.parse_args()
-    print("| phase of the crash | median round s (same run) | survivors' time lost s | hashes agree | exit |")
-    print("|---|---|---|---|---|")
+    print("| phase of the crash | median round s (same run) | survivors' time lost s | per run | hashes agree | exit |")
+    print("|---|---|---|---|---|---|")
     for phase in args.phase or PHASES:
-        r = measure(phase, args.inner_steps, args.rounds, args.roster_ttl)
-        print(f"| {r['phase']} | {r['normal_round_s']} | {r['lost_s']} | {r['agree']} | {r['exit']} |", flush=True)
-
+        runs = [measure(phase, args.inner_steps, args.rounds, args.roster_ttl) for _ in range(args.runs)]
+        lost = [r["lost_s"] for r in runs]
+        print(f"| {phase} | {statistics.median(r['normal_round_s'] for r in runs):.2f} | "
+              f"{statistics.median(lost):.2f} | {' / '.join(f'{x:.2f}' for x in lost)} | "
+              f"{all(r['agree'] for r in runs)} | {','.join(str(r['exit']) for r in runs)} |", flush=True)
 
 if __name__ == "__main__":
     main()

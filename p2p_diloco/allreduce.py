@@ -9,12 +9,14 @@ stops serving; a peer that misses any part records the reducer as failed. See av
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 
@@ -81,12 +83,46 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         delayed = self.should_delay_results(self.peer_id)  # the reducer answers only once our input has ended
         inputs = self._inputs_for_reducer(peer_index, done_sending, None if delayed else all_received)
         try:
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            stream = await self._open_reducer_stream(peer_id, inputs, all_received)
             if delayed:
                 await done_sending.wait()
             await self._receive_averages(peer_id, peer_index, stream, all_received)
         finally:
             all_received.set()  # never leave our input stream waiting
+
+    async def _open_reducer_stream(self, peer_id, inputs, all_received: asyncio.Event):
+        """Call the reducer's ``rpc_aggregate_part`` as hivemind's stub does, except that the moment the reducer's
+        side of the stream ends (it is done, or it died) our held input is released: hivemind's client waits for its
+        input to be written before ending the output, which with a held input would wait out ``reducer_timeout``
+        for a dead reducer."""
+        handle_name = self._servicer_type._get_handle_name(self._prefix, "rpc_aggregate_part")
+        _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, handle_name)
+
+        async def write():
+            async for msg in inputs:
+                await P2P.send_protobuf(msg, writer)
+            await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+
+        writing = asyncio.create_task(write())
+        return self._read_reducer_stream(peer_id, reader, writer, writing, all_received)
+
+    @staticmethod
+    async def _read_reducer_stream(peer_id, reader, writer, writing: asyncio.Task, all_received: asyncio.Event):
+        try:
+            while True:
+                try:
+                    msg, err = await P2P.receive_protobuf(averaging_pb2.AveragingData, reader)
+                except asyncio.IncompleteReadError:  # the reducer closed the stream (done, or dead)
+                    break
+                if err is not None:
+                    raise AllreduceException(f"reducer {peer_id} failed: {err.message}")
+                yield msg
+        finally:
+            all_received.set()  # nothing more can arrive: stop holding our input
+            writing.cancel()
+            with contextlib.suppress(BaseException):
+                await writing
+            writer.close()
 
     async def _inputs_for_reducer(self, peer_index: int, done_sending: asyncio.Event,
                                   hold_until: "asyncio.Event | None"):
