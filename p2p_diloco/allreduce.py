@@ -79,62 +79,33 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             self._parts_received[peer_index] += 1
 
     async def _exchange_with_reducer(self, peer_id, peer_index: int) -> None:
-        done_sending, all_received = asyncio.Event(), asyncio.Event()
-        delayed = self.should_delay_results(self.peer_id)  # the reducer answers only once our input has ended
-        inputs = self._inputs_for_reducer(peer_index, done_sending, None if delayed else all_received)
-        try:
-            stream = await self._open_reducer_stream(peer_id, inputs, all_received)
-            if delayed:
-                await done_sending.wait()
-            await self._receive_averages(peer_id, peer_index, stream, all_received)
-        finally:
-            all_received.set()  # never leave our input stream waiting
-
-    async def _open_reducer_stream(self, peer_id, inputs, all_received: asyncio.Event):
-        """Call the reducer's ``rpc_aggregate_part`` as hivemind's stub does, except that the moment the reducer's
-        side of the stream ends (it is done, or it died) our held input is released: hivemind's client waits for its
-        input to be written before ending the output, which with a held input would wait out ``reducer_timeout``
-        for a dead reducer."""
+        """Stream our parts to a reducer and read its averages. We call its ``rpc_aggregate_part`` as hivemind's stub
+        does, but end our input only once every averaged part has arrived: the reducer's handler returns (closing
+        its end of the stream) only after our input ends, so no averaged part is in flight when the stream closes
+        (closing with data in flight could drop its tail, which reads as a normal end of stream). Reading the stream
+        ourselves, a dead reducer ends it at once; hivemind's client would first wait for our held input."""
         handle_name = self._servicer_type._get_handle_name(self._prefix, "rpc_aggregate_part")
         _, reader, writer = await self._p2p.call_binary_stream_handler(peer_id, handle_name)
+        all_received = asyncio.Event()
+        delayed = self.should_delay_results(self.peer_id)  # the reducer answers only once our input has ended
 
         async def write():
-            async for msg in inputs:
+            async for msg in self._generate_input_for_peer(peer_index):
                 await P2P.send_protobuf(msg, writer)
+            if not delayed:
+                await all_received.wait()
             await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
 
         writing = asyncio.create_task(write())
-        return self._read_reducer_stream(peer_id, reader, writer, writing, all_received)
-
-    @staticmethod
-    async def _read_reducer_stream(peer_id, reader, writer, writing: asyncio.Task, all_received: asyncio.Event):
         try:
-            while True:
-                try:
-                    msg, err = await P2P.receive_protobuf(averaging_pb2.AveragingData, reader)
-                except asyncio.IncompleteReadError:  # the reducer closed the stream (done, or dead)
-                    break
-                if err is not None:
-                    raise AllreduceException(f"reducer {peer_id} failed: {err.message}")
-                yield msg
+            if delayed:
+                await writing
+            await self._receive_averages(peer_id, peer_index, _read_stream(peer_id, reader), all_received)
         finally:
-            all_received.set()  # nothing more can arrive: stop holding our input
             writing.cancel()
             with contextlib.suppress(BaseException):
                 await writing
             writer.close()
-
-    async def _inputs_for_reducer(self, peer_index: int, done_sending: asyncio.Event,
-                                  hold_until: "asyncio.Event | None"):
-        """Our parts for one reducer; then, unless the reducer waits for our input to end, keep the input open until
-        every averaged part has arrived. The reducer's handler returns (and its end of the stream closes) only after
-        our input ends, so no averaged part is still in flight when the stream closes: closing a stream with data
-        in flight could drop its tail, which hivemind's client reads as a normal end of stream."""
-        async for msg in self._generate_input_for_peer(peer_index):
-            yield msg
-        done_sending.set()
-        if hold_until is not None:
-            await hold_until.wait()
 
     async def _receive_averages(self, peer_id, peer_index: int, stream, all_received: asyncio.Event) -> None:
         def decode(msg):
@@ -191,3 +162,15 @@ class CanonicalAllReduceRunner(AllReduceRunner):
                 logger.warning(f"reducer: stream to sender {self.sender_peer_ids[sender_index]} ended after "
                                f"{part_index} of {self.tensor_part_reducer.num_parts} parts ({ended})")
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+async def _read_stream(peer_id, reader):
+    """The reducer's messages until it closes the stream (done, or dead)."""
+    while True:
+        try:
+            msg, err = await P2P.receive_protobuf(averaging_pb2.AveragingData, reader)
+        except asyncio.IncompleteReadError:
+            return
+        if err is not None:
+            raise AllreduceException(f"reducer {peer_id} failed: {err.message}")
+        yield msg
