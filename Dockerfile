@@ -35,7 +35,7 @@ WORKDIR /opt/p2p-diloco
 COPY pyproject.toml README.md ./
 COPY p2p_diloco ./p2p_diloco
 RUN pip install . \
- && python -c "import p2p_diloco.dht, p2p_diloco.averaging, p2p_diloco.peer" \
+ && python -c "import p2p_diloco.net.dht, p2p_diloco.net.averaging, p2p_diloco.peer" \
  && test -x "$(python -c 'import hivemind, os; print(os.path.dirname(hivemind.__file__))')/hivemind_cli/p2pd"
 
 # Run configs (data, not code): peers/*.toml, and the bootstrap node's default config.

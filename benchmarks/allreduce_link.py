@@ -11,7 +11,7 @@ peers; each timed round is preceded by an untimed warm-up. Reported per system (
     must leave and every average must reach each peer through its own link), and all-reduce s / bound s;
   * wire MB: bytes each peer sent on its interface (median over peers, headers included), measured.
 
-Systems: ``ours`` (p2p_diloco.averaging.Averager, codecs scaled_fp16, fp16, fp32), ``hivemind``
+Systems: ``ours`` (p2p_diloco.net.averaging.Averager, codecs scaled_fp16, fp16, fp32), ``hivemind``
 (``DecentralizedAverager``, fp16 and fp32) and ``gloo`` (``torch.distributed.all_reduce``, fp32 and fp16). Needs
 root for ``ip netns``. Run:
 
@@ -44,9 +44,9 @@ def worker(args) -> None:
     from hivemind.averaging import DecentralizedAverager
     from hivemind.compression import Float16Compression, NoCompression
 
-    from p2p_diloco.averaging import Averager, Contribution
+    from p2p_diloco.net.averaging import Averager, Contribution
     from p2p_diloco.config import AveragingConfig, NetworkConfig
-    from p2p_diloco.dht import start_dht, visible_maddrs
+    from p2p_diloco.net.dht import start_dht, visible_maddrs
 
     class TimedAverager(DecentralizedAverager):
         """hivemind's averager unchanged, but reporting how long its all-reduce took (like ours does)."""

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Optional
 
 from p2p_diloco.config import Config, load_config
-from p2p_diloco.metrics import read_jsonl
-from p2p_diloco.swarm import DEMO_DEFAULTS, run_swarm, write_peer_config
+from p2p_diloco.ops.metrics import read_jsonl
+from p2p_diloco.ops.swarm import DEMO_DEFAULTS, run_swarm, write_peer_config
 
 
 def demo_config(**overrides) -> Config:

@@ -28,9 +28,9 @@ import torch
 
 from common import demo_config, median, rounds_of, swarm_records, table
 
-from p2p_diloco.data import build_data
-from p2p_diloco.inner import InnerTrainer, evaluate
-from p2p_diloco.model import build_model, count_parameters
+from p2p_diloco.train.data import build_data
+from p2p_diloco.train.inner import InnerTrainer, evaluate
+from p2p_diloco.train.model import build_model, count_parameters
 
 
 def local_run(steps: int, batch_mult: int, eval_every: int, seed: int) -> dict:

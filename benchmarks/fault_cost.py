@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 from p2p_diloco.config import load_config
-from p2p_diloco.metrics import read_jsonl
-from p2p_diloco.swarm import DEMO_DEFAULTS, ChaosPlan, run_swarm, write_peer_config
+from p2p_diloco.ops.metrics import read_jsonl
+from p2p_diloco.ops.swarm import DEMO_DEFAULTS, ChaosPlan, run_swarm, write_peer_config
 
 PHASES = ("inner", "matchmaking", "allreduce", "serving")
 

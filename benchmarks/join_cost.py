@@ -28,7 +28,7 @@ def _shapes(preset: str):
     from transformers import AutoModelForCausalLM
 
     from p2p_diloco.config import ModelConfig
-    from p2p_diloco.model import load_model_config
+    from p2p_diloco.train.model import load_model_config
 
     config = load_model_config(ModelConfig(name=preset), vocab_size=32000 if preset != "tiny" else 256)
     with torch.device("meta"):
@@ -40,10 +40,10 @@ def worker(args) -> None:
     """The donor (``--role donor``) or the joiner, inside its namespace."""
     import torch
 
-    from p2p_diloco.averaging import Averager
+    from p2p_diloco.net.averaging import Averager
     from p2p_diloco.config import AveragingConfig, NetworkConfig
-    from p2p_diloco.dht import start_dht, visible_maddrs
-    from p2p_diloco.outer import state_digests
+    from p2p_diloco.net.dht import start_dht, visible_maddrs
+    from p2p_diloco.train.outer import state_digests
 
     torch.set_num_threads(1)
     out, sys.stdout = sys.stdout, sys.stderr  # only answers go to the coordinator

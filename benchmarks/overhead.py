@@ -23,8 +23,8 @@ import torch
 
 from common import demo_config, median, rounds_of, swarm_records, table
 
-from p2p_diloco.data import build_data
-from p2p_diloco.model import build_model
+from p2p_diloco.train.data import build_data
+from p2p_diloco.train.model import build_model
 
 
 def plain_loop(steps: int) -> float:

@@ -60,8 +60,8 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    from p2p_diloco.bootstrap import DEFAULTS as BOOTSTRAP_DEFAULTS
-    from p2p_diloco.swarm import DEMO_DEFAULTS
+    from p2p_diloco.ops.bootstrap import DEFAULTS as BOOTSTRAP_DEFAULTS
+    from p2p_diloco.ops.swarm import DEMO_DEFAULTS
 
     b = command("bootstrap", "Run a DHT-only bootstrap node that peers use to find each other.", _cmd_bootstrap,
                 ["network"], BOOTSTRAP_DEFAULTS)
@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------------------- commands
 
 def _cmd_bootstrap(args, overrides: dict[str, str]) -> int:
-    from p2p_diloco.bootstrap import DEFAULTS, run_bootstrap
+    from p2p_diloco.ops.bootstrap import DEFAULTS, run_bootstrap
 
     cfg = load_config(args.config, overrides, defaults=DEFAULTS)
     _setup_logging("bootstrap")
@@ -118,7 +118,7 @@ def _cmd_peer(args, overrides: dict[str, str]) -> int:
 
 
 def _cmd_swarm(args, overrides: dict[str, str]) -> int:
-    from p2p_diloco.swarm import DEMO_DEFAULTS, SET_BY_SWARM, run_swarm, write_peer_config
+    from p2p_diloco.ops.swarm import DEMO_DEFAULTS, SET_BY_SWARM, run_swarm, write_peer_config
 
     for key, flag in SET_BY_SWARM.items():  # per-peer keys
         if key in overrides:

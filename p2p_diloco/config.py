@@ -163,7 +163,7 @@ class RunConfig:
 
 
 def _valid_fault(text) -> bool:
-    from p2p_diloco.faults import parse_fault
+    from p2p_diloco.ops.faults import parse_fault
 
     try:
         parse_fault(text, main_pid=0)
@@ -174,7 +174,7 @@ def _valid_fault(text) -> bool:
 
 @dataclass
 class FaultConfig:
-    """Testing only: make this peer fail on purpose (see p2p_diloco/faults.py)."""
+    """Testing only: make this peer fail on purpose (see p2p_diloco/ops/faults.py)."""
     inject: Optional[str] = _f(None, "'kill:PHASE:ROUND' or 'stall:PHASE:ROUND', PHASE one of inner, matchmaking, "
                                "allreduce, serving", check=_valid_fault,
                                rule="expected ACTION:PHASE:ROUND, e.g. kill:allreduce:3")

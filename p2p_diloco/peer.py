@@ -20,15 +20,15 @@ from typing import Optional
 
 import torch
 
-from p2p_diloco.checkpoint import load_checkpoint, save_checkpoint
+from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.config import Config, ConfigError
-from p2p_diloco.consensus import PeerStatus, sync_target
-from p2p_diloco.data import build_data
-from p2p_diloco.faults import parse_fault
-from p2p_diloco.inner import InnerTrainer, evaluate, resolve_device, schedule_total_steps
-from p2p_diloco.metrics import JsonlSink, MetricsSink
-from p2p_diloco.model import build_model, count_parameters, model_fingerprint
-from p2p_diloco.outer import build_outer_optimizer, load_into, pseudo_gradient, state_digests
+from p2p_diloco.net.consensus import PeerStatus, sync_target
+from p2p_diloco.train.data import build_data
+from p2p_diloco.ops.faults import parse_fault
+from p2p_diloco.train.inner import InnerTrainer, evaluate, resolve_device, schedule_total_steps
+from p2p_diloco.ops.metrics import JsonlSink, MetricsSink
+from p2p_diloco.train.model import build_model, count_parameters, model_fingerprint
+from p2p_diloco.train.outer import build_outer_optimizer, load_into, pseudo_gradient, state_digests
 
 logger = logging.getLogger("p2p_diloco")
 
@@ -92,8 +92,8 @@ class Peer:
         return hashlib.sha256(key.encode()).hexdigest()[:12]
 
     def _join_swarm(self) -> None:
-        from p2p_diloco.averaging import Averager  # the only hivemind users; imported lazily for mocked tests
-        from p2p_diloco.dht import run_prefix, start_dht, visible_maddrs
+        from p2p_diloco.net.averaging import Averager  # the only hivemind users; imported lazily for mocked tests
+        from p2p_diloco.net.dht import run_prefix, start_dht, visible_maddrs
 
         self.dht = start_dht(self.cfg.network)
         self.prefix = run_prefix(self.cfg.run.run_id, self.fingerprint)
@@ -198,7 +198,7 @@ class Peer:
         return (sum(losses) / len(losses) if losses else float("nan")), tokens
 
     def _average(self):
-        from p2p_diloco.averaging import Contribution
+        from p2p_diloco.net.averaging import Contribution
 
         if self.dht is not None:
             self.averager.set_group_size(len(self._live_roster()))
@@ -259,7 +259,7 @@ class Peer:
                           leaving=leaving, donor=not self.cfg.network.client_mode)
 
     def _publish_status(self, leaving: bool = False) -> None:
-        from p2p_diloco.dht import publish_status
+        from p2p_diloco.net.dht import publish_status
 
         publish_status(self.dht, self.prefix, self._status(leaving), ttl=self.cfg.averaging.roster_ttl,
                        timeout=self.cfg.averaging.request_timeout)
@@ -272,7 +272,7 @@ class Peer:
         """Every unexpired roster entry, leavers included; [] without a swarm (mocked averaging)."""
         if self.dht is None:
             return []
-        from p2p_diloco.dht import read_roster
+        from p2p_diloco.net.dht import read_roster
 
         return read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
 

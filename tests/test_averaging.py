@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from p2p_diloco.averaging import Contribution, choose_participants
+from p2p_diloco.net.averaging import Contribution, choose_participants
 from p2p_diloco.config import AveragingConfig, NetworkConfig
 
 SHAPES = [torch.Size([700, 1500]), torch.Size([37])]  # ~1M values
@@ -25,8 +25,8 @@ def _tensors(seed: int, scale: float) -> list[torch.Tensor]:
 def _worker(index, initial_peers, codec, scale, results, die_after_parts):
     """One peer: fill the buffers with known tensors, average once, report (result, sha256, tensors)."""
     torch.set_num_threads(1)
-    from p2p_diloco import averaging
-    from p2p_diloco.dht import start_dht
+    from p2p_diloco.net import averaging
+    from p2p_diloco.net.dht import start_dht
 
     if die_after_parts is not None:  # fault injection: this peer's reducer dies after streaming N averaged parts
         original = averaging.CanonicalAllReduceRunner._accumulate_parts_streaming
@@ -61,7 +61,7 @@ def _worker(index, initial_peers, codec, scale, results, die_after_parts):
 
 
 def _run_group(codec: str, scale: float, die_after_parts=None, victim=2, timeout=120):
-    from p2p_diloco.dht import start_dht, visible_maddrs
+    from p2p_diloco.net.dht import start_dht, visible_maddrs
 
     ctx = mp.get_context("fork")
     results = ctx.Queue()

@@ -2,8 +2,8 @@
 
 import pytest
 
-from p2p_diloco.consensus import PeerStatus, majority_state, sync_target
-from p2p_diloco.swarm import plan_chaos
+from p2p_diloco.net.consensus import PeerStatus, majority_state, sync_target
+from p2p_diloco.ops.swarm import plan_chaos
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -60,7 +60,7 @@ def test_chaos_plan_keeps_two_peers_alive_and_covers_every_fault(seed, peers):
 
 
 def test_deadlines_start_at_the_floors_and_grow_with_payload_and_slow_links():
-    from p2p_diloco.deadlines import DeadlineEstimator
+    from p2p_diloco.net.deadlines import DeadlineEstimator
 
     est = DeadlineEstimator(allreduce_floor=60, chunk_floor=10, part_size_bytes=2 ** 19, payload_bytes=300_000_000)
     assert (est.deadlines(4).allreduce_timeout, est.deadlines(4).next_chunk_timeout) == (60, 10)

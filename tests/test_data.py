@@ -12,9 +12,9 @@ import datasets
 import pytest
 import torch
 
-from p2p_diloco import data as data_mod
+from p2p_diloco.train import data as data_mod
 from p2p_diloco.config import ConfigError, DataConfig
-from p2p_diloco.data import (ByteTokenizer, StreamBatches, WindowBatches, build_data, embedded_corpus,
+from p2p_diloco.train.data import (ByteTokenizer, StreamBatches, WindowBatches, build_data, embedded_corpus,
                              embedded_documents, load_tokenizer)
 
 pytestmark = pytest.mark.timeout(60)

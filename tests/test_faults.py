@@ -9,8 +9,8 @@ import json
 import pytest
 
 from p2p_diloco.config import load_config
-from p2p_diloco.metrics import read_jsonl
-from p2p_diloco.swarm import DEMO_DEFAULTS, ChaosPlan, run_swarm, write_peer_config
+from p2p_diloco.ops.metrics import read_jsonl
+from p2p_diloco.ops.swarm import DEMO_DEFAULTS, ChaosPlan, run_swarm, write_peer_config
 
 SMALL = {"inner.batch_size": 4, "model.seq_len": 64, "data.eval_batches": 2, "averaging.matchmaking_time": 6.0,
          "averaging.next_chunk_timeout": 10.0, "averaging.roster_ttl": 10.0}

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from p2p_diloco.config import ConfigError, DataConfig, InnerConfig, ModelConfig
-from p2p_diloco.data import build_data
-from p2p_diloco.inner import InnerTrainer, evaluate, lr_at, resolve_device, schedule_total_steps
-from p2p_diloco.model import build_model
+from p2p_diloco.train.data import build_data
+from p2p_diloco.train.inner import InnerTrainer, evaluate, lr_at, resolve_device, schedule_total_steps
+from p2p_diloco.train.model import build_model
 
 pytestmark = pytest.mark.timeout(60)
 

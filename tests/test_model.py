@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from p2p_diloco.config import ConfigError, ModelConfig
-from p2p_diloco.model import (DEFAULT_VOCAB_SIZE, PRESETS, build_model, count_parameters, model_fingerprint,
+from p2p_diloco.train.model import (DEFAULT_VOCAB_SIZE, PRESETS, build_model, count_parameters, model_fingerprint,
                               preset_config, weights_digest)
 
 pytestmark = pytest.mark.timeout(60)

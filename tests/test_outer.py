@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from p2p_diloco.outer import (OuterNesterov, OuterSGD, build_outer_optimizer, load_into, params_digest,
+from p2p_diloco.train.outer import (OuterNesterov, OuterSGD, build_outer_optimizer, load_into, params_digest,
                               pseudo_gradient)
 
 pytestmark = pytest.mark.timeout(60)

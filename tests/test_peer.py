@@ -7,9 +7,9 @@ import contextlib
 import pytest
 import torch
 
-from p2p_diloco.averaging import AverageResult
+from p2p_diloco.net.averaging import AverageResult
 from p2p_diloco.config import load_config
-from p2p_diloco.outer import OuterNesterov, params_digest
+from p2p_diloco.train.outer import OuterNesterov, params_digest
 from p2p_diloco.peer import Peer
 
 pytestmark = pytest.mark.timeout(120)

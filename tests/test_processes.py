@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from p2p_diloco.procs import group_members
+from p2p_diloco.ops.procs import group_members
 
 
 def _start(args, **kwargs):

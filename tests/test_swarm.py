@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from p2p_diloco.metrics import read_jsonl
+from p2p_diloco.ops.metrics import read_jsonl
 
 
 def _swarm(run_dir, *args, timeout=240):

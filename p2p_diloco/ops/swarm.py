@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from p2p_diloco.config import dump_toml
-from p2p_diloco.metrics import read_jsonl
-from p2p_diloco.procs import stop_groups
+from p2p_diloco.ops.metrics import read_jsonl
+from p2p_diloco.ops.procs import stop_groups
 
 # The demo: the tiny model on the embedded corpus, tuned to learn visibly within a few minutes on 2 CPU cores.
 DEMO_DEFAULTS = {

@@ -24,7 +24,7 @@ DEFAULTS = {
 def run_bootstrap(cfg: NetworkConfig, stop_event: threading.Event, *, maddrs_file: Optional[str] = None,
                   echo: Callable[[str], None] = print) -> None:
     """Serve the DHT until ``stop_event`` is set. Prints the addresses to give peers and a command to join."""
-    from p2p_diloco.dht import start_dht, visible_maddrs  # hivemind loads in ~2 s: not for --help or bad input
+    from p2p_diloco.net.dht import start_dht, visible_maddrs  # hivemind loads in ~2 s: not for --help or bad input
 
     dht = start_dht(cfg)
     try:

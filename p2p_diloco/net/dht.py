@@ -21,9 +21,9 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.config import ConfigError, NetworkConfig
-from p2p_diloco.consensus import PeerStatus
+from p2p_diloco.net.consensus import PeerStatus
 from p2p_diloco.errors import JoinError
-from p2p_diloco.procs import become_child_process, subprocesses_die_with_us
+from p2p_diloco.ops.procs import become_child_process, subprocesses_die_with_us
 
 logger = logging.getLogger(__name__)
 

@@ -42,12 +42,12 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
 from hivemind.utils.streaming import combine_from_streaming
 
-from p2p_diloco import dht as _dht  # noqa: F401  (imported first for its torch sharing-strategy setting)
-from p2p_diloco.allreduce import CanonicalAllReduceRunner
+from p2p_diloco.net import dht as _dht  # noqa: F401  (imported first for its torch sharing-strategy setting)
+from p2p_diloco.net.allreduce import CanonicalAllReduceRunner
 from p2p_diloco.config import AveragingConfig
-from p2p_diloco.consensus import majority_state
-from p2p_diloco.deadlines import DeadlineEstimator
-from p2p_diloco.procs import become_child_process
+from p2p_diloco.net.consensus import majority_state
+from p2p_diloco.net.deadlines import DeadlineEstimator
+from p2p_diloco.ops.procs import become_child_process
 
 logger = logging.getLogger(__name__)
 
@@ -320,7 +320,7 @@ class Averager:
             self._averager._outer_pipe.send(("_set_target_group_size", [], dict(size=size)))
 
     def _update_deadlines(self) -> None:
-        """Deadlines for the coming round from measurements (p2p_diloco/deadlines.py); sent to the averager."""
+        """Deadlines for the coming round from measurements (p2p_diloco/net/deadlines.py); sent to the averager."""
         deadlines = self._estimator.deadlines(self._group_size)
         if deadlines != self.deadlines:
             self.deadlines = deadlines

@@ -1,0 +1,1 @@
+"""Training, with no network: the model, token batches, the inner AdamW loop and the pure outer step."""
