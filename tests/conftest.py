@@ -52,13 +52,36 @@ def process_tag(monkeypatch):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    # p2pd's control sockets of processes that were killed hard stay behind: remove only the new ones
-    for sock in set(glob.glob(os.path.join(tempfile.gettempdir(), "hivemind-*.sock"))) - socks_before:
+    # p2pd's control sockets of processes that were killed hard stay behind: remove the new ones that nobody has
+    # bound any more (another test run, on this machine at the same time, may be using its own)
+    in_use = bound_unix_paths()
+    for sock in set(glob.glob(os.path.join(tempfile.gettempdir(), "hivemind-*.sock"))) - socks_before - in_use:
         try:
             os.unlink(sock)
         except OSError:
             pass
     assert not leftovers, f"processes left running: {described}"
+
+
+def bound_unix_paths() -> set[str]:
+    """Paths of every Unix socket bound by a live process, in every network namespace on this machine.
+
+    /proc/PID/net/unix lists the sockets of PID's network namespace, so one process per namespace is read."""
+    paths, seen = set(), set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            netns = os.readlink(f"/proc/{entry}/ns/net")
+            if netns in seen:
+                continue
+            with open(f"/proc/{entry}/net/unix") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        seen.add(netns)
+        paths.update(line.split()[7] for line in lines if len(line.split()) >= 8)
+    return paths
 
 
 def _cmdline(pid: int) -> str:

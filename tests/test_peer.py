@@ -26,7 +26,7 @@ class FakeAverager:
         self.calls = []  # (contribution, weight, copy of the pseudo-gradient)
 
     def bind(self, peer: Peer) -> None:
-        self.buffers = [torch.zeros_like(p) for p in peer.global_params]
+        self.buffers = [torch.zeros_like(p) for p in peer.state.params]
 
     @contextlib.contextmanager
     def pseudo_grads(self):
@@ -60,15 +60,15 @@ def _peer(tmp_path, outcomes, rounds, **extra):
 
 def test_commit_applies_the_nesterov_step_to_the_averaged_pseudo_gradient(tmp_path):
     peer, fake = _peer(tmp_path, ["ok", "ok"], rounds=2)
-    theta0 = [p.clone() for p in peer.global_params]
+    theta0 = [p.clone() for p in peer.state.params]
     peer.run()
     reference = [p.clone() for p in theta0]
     outer = OuterNesterov(reference, 0.7, 0.9)
     for _, _, delta in fake.calls:
         outer.step(reference, delta)
     assert peer.round == 2
-    assert params_digest(peer.global_params) == params_digest(reference)
-    assert params_digest(peer.model.parameters()) == params_digest(peer.global_params)  # θ_local ← θ_global
+    assert params_digest(peer.state.params) == params_digest(reference)
+    assert params_digest(peer.model.parameters()) == params_digest(peer.state.params)  # θ_local ← θ_global
     # each round's contribution is relative to the θ_global of its round, weighted by the tokens behind it
     assert [c.round for c, _, _ in fake.calls] == [0, 1]
     assert all(w == c.tokens == 3 * 2 * 32 for c, w, _ in fake.calls)
@@ -93,7 +93,7 @@ def test_round_records_break_the_wall_time_down(tmp_path):
 
 def test_failed_round_keeps_theta_global_and_carries_the_work_forward(tmp_path):
     peer, fake = _peer(tmp_path, ["fail", "ok"], rounds=1)
-    theta0 = peer.state_digest
+    theta0 = peer.state.digest
     peer.run()
     (first, w1, delta1), (second, w2, delta2) = fake.calls
     assert first.round == second.round == 0, "a failed round must not advance θ_global's version"
@@ -107,10 +107,10 @@ def test_failed_round_keeps_theta_global_and_carries_the_work_forward(tmp_path):
 
 def test_non_finite_average_is_rejected(tmp_path):
     peer, fake = _peer(tmp_path, ["nan", "ok"], rounds=1)
-    theta0 = peer.state_digest
+    theta0 = peer.state.digest
     peer.run()
     assert fake.calls[1][0].digest == theta0, "a NaN average must not touch θ_global"
-    assert all(torch.isfinite(p).all() for p in peer.global_params)
+    assert all(torch.isfinite(p).all() for p in peer.state.params)
     peer.close()
 
 
@@ -118,13 +118,13 @@ def test_checkpoint_resume_continues_from_the_saved_round(tmp_path):
     peer, _ = _peer(tmp_path, ["ok", "ok"], rounds=2)
     peer.run()
     peer.close()  # saves
-    saved = (params_digest(peer.global_params), params_digest(peer.outer.state_tensors()),
+    saved = (params_digest(peer.state.params), params_digest(peer.state.outer.state_tensors()),
              peer.data.train.state_dict(), peer.inner.step_count)
 
     resumed, fake = _peer(tmp_path, ["ok"], rounds=3)
     assert resumed.round == 2
-    assert params_digest(resumed.global_params) == saved[0]
-    assert params_digest(resumed.outer.state_tensors()) == saved[1]
+    assert params_digest(resumed.state.params) == saved[0]
+    assert params_digest(resumed.state.outer.state_tensors()) == saved[1]
     assert resumed.inner.step_count == saved[3]
     assert str(resumed.data.train.state_dict()) == str(saved[2])
     resumed.run()

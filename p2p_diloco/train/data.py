@@ -14,152 +14,26 @@ Both resume exactly from :meth:`TokenBatches.state_dict`.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import inspect
 import math
 import os
-import re
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Protocol
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 
 from p2p_diloco.config import ConfigError, DataConfig
+from p2p_diloco.errors import first_line
+from p2p_diloco.train.corpus import embedded_corpus, embedded_documents  # noqa: F401  (re-exported)
+from p2p_diloco.train.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer  # noqa: F401
 
 LOCAL_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 """File extension -> ``datasets`` packaged builder for local data."""
 
 STREAM_SHUFFLE_BUFFER = 10_000
 """Documents held in the shuffle buffer of a streamed dataset (memory: this many documents)."""
-
-
-# ---------------------------------------------------------------------------------------------- tokenizers
-
-class Tokenizer(Protocol):
-    """What the data pipeline needs from a tokenizer."""
-    vocab_size: int
-    doc_separator: list[int]  # appended after every document (EOS where the tokenizer has one)
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-    def encode_documents(self, texts: list[str]) -> np.ndarray: ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: 256 symbols, no download, no special tokens.
-
-    All 256 ids are bytes, so there is no EOS; documents are separated by a newline byte instead.
-    """
-    vocab_size = 256
-    doc_separator = [10]
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-    def encode_documents(self, texts: list[str]) -> np.ndarray:
-        """All documents, each followed by the separator, as one int32 array (vectorized: no per-byte loop)."""
-        data = "".join(t + "\n" for t in texts).encode("utf-8")
-        return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
-
-
-class HFTokenizer:
-    """A transformers tokenizer behind the :class:`Tokenizer` interface.
-
-    No special tokens inside documents; the tokenizer's EOS (if any) after each one.
-    ``vocab_size`` is ``len(tokenizer)``, which counts added tokens (``tokenizer.vocab_size`` does not).
-    """
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.vocab_size = len(tokenizer)
-        eos = tokenizer.eos_token_id
-        self.doc_separator = [] if eos is None else [int(eos)]
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode([int(i) for i in ids])
-
-    def encode_documents(self, texts: list[str]) -> np.ndarray:
-        if not texts:
-            return np.zeros(0, dtype=np.int32)
-        # one batched call: fast tokenizers encode the batch in parallel in Rust
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        sep = self.doc_separator
-        return np.fromiter((t for doc in ids for t in (*doc, *sep)), dtype=np.int32)
-
-
-def load_tokenizer(name: str) -> Tokenizer:
-    """'byte' -> :class:`ByteTokenizer`; otherwise a transformers tokenizer by local path (offline) or hub name
-    (online only). Raises ConfigError naming data.tokenizer when it cannot be loaded."""
-    if name == "byte":
-        return ByteTokenizer()
-    from transformers import AutoTokenizer  # deferred: importing transformers costs ~1 s
-
-    try:
-        return HFTokenizer(AutoTokenizer.from_pretrained(name))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"data.tokenizer: cannot load '{name}': {_first_line(e)}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-# ---------------------------------------------------------------------------------------------- embedded corpus
-
-# Pure-Python stdlib modules rich in English docstrings, present in every CPython (missing ones are skipped,
-# e.g. after a module moved between versions). Paths relative to the stdlib folder, without ".py".
-_DOC_MODULES = (
-    "_pydecimal", "argparse", "asyncio/events", "asyncio/tasks", "collections/__init__", "configparser",
-    "contextlib", "dataclasses", "datetime", "difflib", "doctest", "email/message", "enum", "fractions",
-    "functools", "heapq", "http/server", "imaplib", "inspect", "ipaddress", "json/__init__",
-    "logging/__init__", "logging/handlers", "mailbox", "numbers", "optparse", "pathlib", "pydoc", "queue",
-    "random", "re/__init__", "shutil", "smtplib", "socket", "ssl", "statistics", "subprocess", "tarfile",
-    "tempfile", "textwrap", "threading", "traceback", "typing", "unittest/case", "unittest/mock",
-    "urllib/parse", "urllib/request", "xml/etree/ElementTree", "zipfile",
-)
-_TRIPLE_QUOTED = re.compile(r'"""(.*?)"""|\'\'\'(.*?)\'\'\'', re.S)
-_MIN_DOCSTRING_CHARS = 200  # shorter strings are mostly one-liners and code fragments
-
-
-@functools.cache
-def embedded_documents() -> tuple[str, ...]:
-    """The embedded corpus as documents: Python's help topics (``pydoc_data``), then long docstrings of the
-    stdlib modules in ``_DOC_MODULES``. About 1 MB of English on CPython 3.11; identical on every machine with
-    the same Python version (everything is iterated in sorted order). Takes ~0.1 s; cached in-process."""
-    from pydoc_data.topics import topics
-
-    docs = [topics[key] for key in sorted(topics)]
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for module in sorted(_DOC_MODULES):
-        path = stdlib / f"{module}.py"
-        if path.is_file():
-            docs.extend(_long_docstrings(path.read_text(encoding="utf-8")))
-    return tuple(docs)
-
-
-def _long_docstrings(source: str) -> list[str]:
-    # a regex instead of ast.parse: 40x faster, and the few non-docstring triple-quoted strings are harmless text
-    found = (inspect.cleandoc(a or b) for a, b in _TRIPLE_QUOTED.findall(source))
-    return [s for s in found if len(s) >= _MIN_DOCSTRING_CHARS]
-
-
-@functools.cache
-def embedded_corpus() -> str:
-    """The embedded corpus as one string: every document followed by a newline."""
-    return "".join(d + "\n" for d in embedded_documents())
 
 
 # ---------------------------------------------------------------------------------------------- batch readers
@@ -363,7 +237,7 @@ def _open_source(cfg: DataConfig):
     try:
         return datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split, streaming=cfg.streaming)
     except FileNotFoundError as e:  # datasets' DatasetNotFoundError subclasses it
-        raise ConfigError(f"data.dataset: cannot open '{cfg.dataset}': {_first_line(e)}") from None
+        raise ConfigError(f"data.dataset: cannot open '{cfg.dataset}': {first_line(e)}") from None
 
 
 def _looks_like_path(name: str) -> bool:

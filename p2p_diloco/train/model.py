@@ -17,6 +17,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from p2p_diloco.config import ConfigError, ModelConfig
+from p2p_diloco.errors import first_line
 
 DEFAULT_VOCAB_SIZE = 32000
 """Vocabulary of the DiLoCo paper's models (Table 1); presets take the tokenizer's size instead when given one."""
@@ -82,7 +83,7 @@ def _read_hf_config(path: Path, name: str) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"model.name: cannot read a Hugging Face config from '{name}': {_first_line(e)}") from None
+        raise ConfigError(f"model.name: cannot read a Hugging Face config from '{name}': {first_line(e)}") from None
 
 
 def _config_from_json(path: Path, name: str) -> PretrainedConfig:
@@ -91,7 +92,7 @@ def _config_from_json(path: Path, name: str) -> PretrainedConfig:
         data = json.loads(path.read_text())
         return AutoConfig.for_model(data.pop("model_type"), **data)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"model.name: cannot read a Hugging Face config from '{name}': {_first_line(e)}") from None
+        raise ConfigError(f"model.name: cannot read a Hugging Face config from '{name}': {first_line(e)}") from None
 
 
 def _check_hf_config(model_config: PretrainedConfig, cfg: ModelConfig, vocab_size: int) -> None:
@@ -104,10 +105,6 @@ def _check_hf_config(model_config: PretrainedConfig, cfg: ModelConfig, vocab_siz
         raise ConfigError(f"model.name: '{cfg.name}' has max_position_embeddings {max_pos} < model.seq_len "
                           f"{cfg.seq_len}")
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _dtype_kwarg() -> str:

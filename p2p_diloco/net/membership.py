@@ -1,0 +1,176 @@
+"""A peer's place in the run: its roster entry, the roster of the others, and the state transfers that keep its
+θ_global the run's.
+
+* Roster: every peer publishes its :class:`PeerStatus` under ``{prefix}.roster`` and refreshes it every
+  ``averaging.roster_ttl`` / 3 seconds (heartbeat thread); an entry expires ``roster_ttl`` seconds after the last one.
+* Sync: before contributing, a peer compares itself with the live roster (:func:`consensus.sync_target`); if the
+  run moved past its θ_global, or most peers hold other bytes for its round, it downloads the run's state from a
+  peer that holds it and checks it against the donor's digest and the roster's.
+* Donating: a peer that is not in client mode serves a consistent snapshot of its state to joiners.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional
+
+from p2p_diloco.config import Config
+from p2p_diloco.net.consensus import PeerStatus, SyncTarget, sync_target
+from p2p_diloco.net.dht import publish_status, read_roster
+from p2p_diloco.ops.metrics import MetricsSink
+from p2p_diloco.train.global_state import GlobalState
+from p2p_diloco.train.outer import state_digests
+
+logger = logging.getLogger("p2p_diloco")
+
+
+class Membership:
+    """Roster, heartbeat, sync and state serving for one peer. ``state`` is the peer's :class:`GlobalState`."""
+
+    def __init__(self, cfg: Config, dht, averager, prefix: str, name: str, state: GlobalState, fingerprint: str,
+                 metrics: MetricsSink, stop_event: threading.Event, log: logging.Logger = logger):
+        self.cfg, self.dht, self.averager, self.prefix = cfg, dht, averager, prefix
+        self.name, self.state, self.fingerprint = name, state, fingerprint
+        self.metrics, self.stop_event, self.log = metrics, stop_event, log
+        self._closed = threading.Event()
+        self._heartbeat: Optional[threading.Thread] = None
+
+    @property
+    def peer_id(self) -> str:
+        return self.averager.peer_id
+
+    # ------------------------------------------------------------------------------------------------ roster
+    def status(self, leaving: bool = False) -> PeerStatus:
+        return PeerStatus(name=self.name, peer_id=self.peer_id, round=self.state.round, digest=self.state.digest,
+                          leaving=leaving, donor=not self.cfg.network.client_mode)
+
+    def publish(self, leaving: bool = False) -> None:
+        publish_status(self.dht, self.prefix, self.status(leaving), ttl=self.cfg.averaging.roster_ttl,
+                       timeout=self.cfg.averaging.request_timeout)
+
+    def roster(self) -> list[PeerStatus]:
+        """Every unexpired roster entry, leavers included."""
+        return read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+
+    def live_roster(self) -> list[PeerStatus]:
+        return [s for s in self.roster() if not s.leaving]
+
+    def enter(self) -> None:
+        """Appear in the roster, serve our state, and keep the entry fresh until :meth:`leave`."""
+        self.state_changed()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="roster-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._closed.wait(self.cfg.averaging.roster_ttl / 3):
+            self.publish()
+
+    def state_changed(self) -> None:
+        """Our θ_global moved (commit or download): tell the roster, and serve the new state."""
+        self.publish()
+        self.averager.serve_state(self.donate_state, self.state.round)
+
+    def leave(self) -> None:
+        """Announce a graceful leave (others stop counting and waiting for us) and stop serving state."""
+        self._closed.set()
+        self.publish(leaving=True)
+        self.averager.stop_serving()
+
+    # ------------------------------------------------------------------------------------------------ waiting
+    def wait_for_round(self, round_: Optional[int]) -> None:
+        """``run.join_after_round``: watch the roster, unseen by others, until the run reaches ``round_``."""
+        while round_ is not None and not self.stop_event.is_set():
+            if max((s.round for s in self.live_roster()), default=0) >= round_:
+                return
+            self.stop_event.wait(0.5)  # the roster lives in the DHT: there is no event to wait on, so poll
+
+    def wait_for_expected_peers(self) -> None:
+        """Before round 1, wait (bounded) until ``run.expected_peers`` peers are in the run."""
+        expected = self.cfg.run.expected_peers
+        if expected <= 1 or self.state.round > 0:
+            return
+        deadline = time.monotonic() + self.cfg.run.expected_peers_timeout
+        while not self.stop_event.is_set() and time.monotonic() < deadline:
+            roster = self.live_roster()
+            if len(roster) >= expected or any(s.round > 0 for s in roster):
+                return  # everyone is here, or the run started without us: join it
+            self.log.info(f"waiting for peers: {len(roster)} of {expected} present")
+            self.stop_event.wait(1.0)  # the roster lives in the DHT: there is no event to wait on, so poll
+        self.log.warning(f"starting without the {expected} expected peers")
+
+    def run_is_over(self, roster: list[PeerStatus]) -> bool:
+        """True if every other peer has left the run after training all of ``run.rounds``: nobody is left to
+        average with, and the run's result exists elsewhere (a lone peer otherwise keeps training and waits)."""
+        rounds = self.cfg.run.rounds
+        if rounds is None:
+            return False
+        others = [s for s in roster if s.peer_id != self.peer_id]
+        finished = [s for s in others if s.leaving and s.round >= rounds]
+        if finished and all(s.leaving for s in others):
+            self.log.warning(f"the run finished without us: {', '.join(s.name for s in finished)} left after "
+                             f"round {rounds}; stopping at round {self.state.round}")
+            return True
+        return False
+
+    # ------------------------------------------------------------------------------------------------ state
+    def sync(self, live_roster: list[PeerStatus], fresh: bool) -> bool:
+        """Before contributing: if the run has moved past our θ_global, or most peers hold other bytes for our
+        round, fetch the run's state from a peer that holds it (digest-checked). True if our state was replaced.
+        ``fresh``: this peer has not trained yet (the transfer is logged as a join, else as a repair)."""
+        target = sync_target(self.status(), live_roster)
+        if target is None:
+            return False
+        if not target.donors:
+            self.log.warning(f"behind the run (round {target.round}) but no donor serves that state yet")
+            return False
+        kind = "join" if fresh else "repair"
+        self.log.info(f"{kind}: our round {self.state.round} ({self.state.digest[:12]}) vs the run's round "
+                      f"{target.round} ({target.digest[:12]}); fetching state")
+        return self._fetch_state(target, kind)
+
+    def _fetch_state(self, target: SyncTarget, kind: str) -> bool:
+        start = time.perf_counter()
+        got = self.averager.download_state(target.donors)
+        if got is None:
+            self.log.warning(f"{kind}: no donor delivered the state; retrying next round")
+            return False
+        metadata, tensors, donor = got
+        problem = self._check_state(metadata, tensors, target)
+        if problem:
+            self.log.warning(f"{kind}: state from {donor} rejected: {problem}")
+            return False
+        self.state.load(metadata["round"], tensors)
+        self.state_changed()
+        seconds = time.perf_counter() - start
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        self.metrics.log({"event": kind, "peer": self.name, "round": self.state.round, "donor": metadata.get("name"),
+                          "state_bytes": size, "seconds": seconds, "global_params_sha256": self.state.params_digest,
+                          "state_sha256": self.state.digest})
+        self.log.info(f"{kind}: got round {self.state.round} from {metadata.get('name')} ({size / 1e6:.1f} MB in "
+                      f"{seconds:.2f} s); digest verified")
+        return True
+
+    def _check_state(self, metadata, tensors, target: SyncTarget) -> Optional[str]:
+        """Why a downloaded state is unusable, or None: shapes, the donor's own digest, and the run's round."""
+        expected = [t.shape for t in self.state.tensors()]
+        if not isinstance(metadata, dict) or metadata.get("fingerprint") != self.fingerprint:
+            return "not a state of this run's model"
+        if [t.shape for t in tensors] != expected:
+            return "tensor shapes differ"
+        n = len(self.state.params)
+        _, digest = state_digests(tensors[:n], tensors[n:])
+        if digest != metadata.get("digest"):
+            return "bytes do not match the donor's digest (corrupted in transit)"
+        if metadata.get("round", -1) < target.round or (metadata["round"] == target.round
+                                                        and digest != target.digest):
+            return f"round {metadata.get('round')} is not the run's round {target.round}"
+        return None
+
+    def donate_state(self) -> tuple[dict, list]:
+        """Called on hivemind's state thread when a peer downloads from us: a consistent snapshot."""
+        round_, digest, tensors = self.state.snapshot()
+        metadata = {"round": round_, "digest": digest, "fingerprint": self.fingerprint, "name": self.name}
+        return metadata, tensors
+

@@ -1,0 +1,84 @@
+"""Tokenizers behind one small interface: the 256-symbol byte tokenizer (no download) and Hugging Face tokenizers."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from p2p_diloco.config import ConfigError
+from p2p_diloco.errors import first_line
+
+
+class Tokenizer(Protocol):
+    """What the data pipeline needs from a tokenizer."""
+    vocab_size: int
+    doc_separator: list[int]  # appended after every document (EOS where the tokenizer has one)
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def encode_documents(self, texts: list[str]) -> np.ndarray: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: 256 symbols, no download, no special tokens.
+
+    All 256 ids are bytes, so there is no EOS; documents are separated by a newline byte instead.
+    """
+    vocab_size = 256
+    doc_separator = [10]
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def encode_documents(self, texts: list[str]) -> np.ndarray:
+        """All documents, each followed by the separator, as one int32 array (vectorized: no per-byte loop)."""
+        data = "".join(t + "\n" for t in texts).encode("utf-8")
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+
+class HFTokenizer:
+    """A transformers tokenizer behind the :class:`Tokenizer` interface.
+
+    No special tokens inside documents; the tokenizer's EOS (if any) after each one.
+    ``vocab_size`` is ``len(tokenizer)``, which counts added tokens (``tokenizer.vocab_size`` does not).
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        eos = tokenizer.eos_token_id
+        self.doc_separator = [] if eos is None else [int(eos)]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+    def encode_documents(self, texts: list[str]) -> np.ndarray:
+        if not texts:
+            return np.zeros(0, dtype=np.int32)
+        # one batched call: fast tokenizers encode the batch in parallel in Rust
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        sep = self.doc_separator
+        return np.fromiter((t for doc in ids for t in (*doc, *sep)), dtype=np.int32)
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """'byte' -> :class:`ByteTokenizer`; otherwise a transformers tokenizer by local path (offline) or hub name
+    (online only). Raises ConfigError naming data.tokenizer when it cannot be loaded."""
+    if name == "byte":
+        return ByteTokenizer()
+    from transformers import AutoTokenizer  # deferred: importing transformers costs ~1 s
+
+    try:
+        return HFTokenizer(AutoTokenizer.from_pretrained(name))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.tokenizer: cannot load '{name}': {first_line(e)}") from None
+
