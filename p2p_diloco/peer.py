@@ -49,6 +49,7 @@ class Peer:
         self.dht = None
         self.membership = None  # net.membership.Membership once in a swarm; None with an injected averager
         self.tokens_since_commit = 0  # weight of the next contribution
+        self.tokens_trained = 0  # tokens of all inner steps this peer has run in this run
         self.metrics: MetricsSink = MetricsSink()
         self.log = logger
         self._closed = False
@@ -140,6 +141,7 @@ class Peer:
             timing = {"time/sync_s": started - begun, "time/inner_s": inner_done - started,
                       "time/round_s": time.perf_counter() - begun}
             self._log_round(result, committed, train_loss, tokens, timing)
+            self._report(result, tokens, timing["time/inner_s"])
             if committed and self.cfg.run.checkpoint_every and self.round % self.cfg.run.checkpoint_every == 0:
                 self.save()
 
@@ -222,6 +224,14 @@ class Peer:
             self.log.warning(f"round {self.round + 1} not committed ({result.error}); θ_global kept, "
                              f"training continues from θ_local")
 
+    def _report(self, result, tokens: int, inner_s: float) -> None:
+        """What the roster shows about our work (published with the next heartbeat or state change)."""
+        self.tokens_trained += tokens
+        if self.membership is not None:
+            self.membership.work.update(tokens_per_s=tokens / inner_s if inner_s > 0 else 0.0,
+                                        tokens_trained=self.tokens_trained, last_allreduce_s=result.seconds,
+                                        last_bytes=result.bytes_sent + result.bytes_received)
+
     def _evaluate(self) -> float:
         """Held-out loss of θ_global (θ_local equals θ_global whenever this is called)."""
         return evaluate(self.model, self.data.eval_batches, self.device)
@@ -231,7 +241,7 @@ class Peer:
         return {**self.state.state_dict(), "name": self.name, "fingerprint": self.fingerprint,
                 "model": self.model.state_dict(), "inner": self.inner.state_dict(),
                 "data": self.data.train.state_dict(), "tokens_since_commit": self.tokens_since_commit,
-                "config": asdict(self.cfg)}
+                "tokens_trained": self.tokens_trained, "config": asdict(self.cfg)}
 
     def save(self) -> None:
         with self.state.lock:
@@ -249,6 +259,7 @@ class Peer:
         self.inner.load_state_dict(saved["inner"])
         self.data.train.load_state_dict(saved["data"])
         self.tokens_since_commit = saved["tokens_since_commit"]
+        self.tokens_trained = saved.get("tokens_trained", 0)  # absent from checkpoints of earlier versions
         return True
 
     # ------------------------------------------------------------------------------------------------ close

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -132,3 +133,26 @@ def test_participants_are_the_majority_of_one_theta():
     assert choose_participants(c) == [1]
     # every member computes the same answer whatever the order of the list
     assert [c[i].name for i in choose_participants(c[::-1])] == ["b"]
+
+
+@pytest.mark.timeout(60)
+def test_roster_round_trip_ignores_fields_it_does_not_know(process_tag):
+    """Peers of a newer version may publish more fields: older peers must still read their entries."""
+    from p2p_diloco.net.consensus import PeerStatus
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from p2p_diloco.net.dht import publish_status, read_roster, roster_key, start_dht
+
+    dht = start_dht(NetworkConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    try:
+        me = PeerStatus(name="a", peer_id="id-a", round=3, digest="d", tokens_per_s=123.5, tokens_trained=4096)
+        assert publish_status(dht, "run_x", me, ttl=30, timeout=5)
+        future = dht.store(roster_key("run_x"), subkey="id-b", value={**asdict(me), "name": "b", "peer_id": "id-b",
+                                                                        "from_the_future": [1, 2]},
+                           expiration_time=get_dht_time() + 30, return_future=True)
+        assert future.result(timeout=5)
+        roster = sorted(read_roster(dht, "run_x", timeout=5), key=lambda s: s.name)
+        assert [s.name for s in roster] == ["a", "b"]
+        assert roster[0] == me and roster[1].tokens_per_s == 123.5 and roster[1].tokens_trained == 4096
+    finally:
+        dht.shutdown()

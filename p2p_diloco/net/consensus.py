@@ -20,6 +20,11 @@ class PeerStatus:
     digest: str           # sha256 of θ_global and the outer optimizer state, as bytes
     leaving: bool = False  # announced a graceful leave: not counted, not a donor
     donor: bool = True     # serves its state to joiners (client-mode peers cannot)
+    # what this peer reports about its work, for scheduling and for anyone watching the run (not for agreement)
+    tokens_per_s: float = 0.0       # inner-step throughput over its recent rounds (averaging excluded)
+    tokens_trained: int = 0         # tokens of inner steps this peer has trained in the run (all rounds)
+    last_allreduce_s: float = 0.0   # its last averaging attempt, matchmaking included
+    last_bytes: int = 0             # bytes it sent and received in that attempt
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -126,10 +126,11 @@ def read_roster(dht: hivemind.DHT, prefix: str, timeout: float) -> list[PeerStat
         return []
     if found is None or not isinstance(found.value, dict):
         return []
+    known = {f.name for f in fields(PeerStatus)}
     roster = []
     for entry in found.value.values():
-        try:
-            roster.append(PeerStatus(**entry.value))
+        try:  # fields this version does not know (a newer peer's) are ignored; missing ones take their default
+            roster.append(PeerStatus(**{k: v for k, v in entry.value.items() if k in known}))
         except (TypeError, AttributeError):
             continue
     return roster

@@ -36,6 +36,8 @@ class Membership:
         self.metrics, self.stop_event, self.log = metrics, stop_event, log
         self._closed = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
+        # what we report about our work in the roster (PeerStatus fields of the same names); the peer updates it
+        self.work = {"tokens_per_s": 0.0, "tokens_trained": 0, "last_allreduce_s": 0.0, "last_bytes": 0}
 
     @property
     def peer_id(self) -> str:
@@ -44,7 +46,7 @@ class Membership:
     # ------------------------------------------------------------------------------------------------ roster
     def status(self, leaving: bool = False) -> PeerStatus:
         return PeerStatus(name=self.name, peer_id=self.peer_id, round=self.state.round, digest=self.state.digest,
-                          leaving=leaving, donor=not self.cfg.network.client_mode)
+                          leaving=leaving, donor=not self.cfg.network.client_mode, **self.work)
 
     def publish(self, leaving: bool = False) -> None:
         publish_status(self.dht, self.prefix, self.status(leaving), ttl=self.cfg.averaging.roster_ttl,
