@@ -134,6 +134,14 @@ class NetworkConfig:
     client_mode: bool = _f(False, "dial out only (behind NAT); needs at least one public peer in the group")
     join_timeout: float = _f(30.0, "how long to wait for an initial peer to answer before giving up", "s",
                              _positive, "must be > 0")
+    reachability: str = _f("auto", "can others dial this node? auto: ask peers to dial it back (p2pd's AutoNAT), "
+                           "then take part as a public node, through a relay, or in client mode; public: skip the "
+                           "check (a bootstrap node also serves as a relay); private: behind NAT, skip the check",
+                           choices=("auto", "public", "private"))
+    trusted_relays: list[str] = _f([], "multiaddrs of relays to reserve a slot at when others cannot dial this node "
+                                   "(a p2p-diloco bootstrap node on a public host is one); empty: the initial peers")
+    reachability_timeout: float = _f(40.0, "how long reachability=auto waits for AutoNAT's verdict (p2pd asks "
+                                     "peers to dial back 15 s after start)", "s", _positive, "must be > 0")
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from p2p_diloco.config import Config, ConfigError
+from p2p_diloco.net.reachability import explain_no_group
 from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.ops.faults import parse_fault
 from p2p_diloco.ops.metrics import JsonlSink, MetricsSink
@@ -48,6 +49,7 @@ class Peer:
         self.fault = parse_fault(cfg.fault.inject)
         self.dht = None
         self.membership = None  # net.membership.Membership once in a swarm; None with an injected averager
+        self.relay_issue: Optional[str] = None  # why our relay cannot serve us (client mode only), for explanations
         self.tokens_since_commit = 0  # weight of the next contribution
         self.tokens_trained = 0  # tokens of all inner steps this peer has run in this run
         self.metrics: MetricsSink = MetricsSink()
@@ -93,22 +95,29 @@ class Peer:
         return hashlib.sha256(key.encode()).hexdigest()[:12]
 
     def _join_swarm(self) -> None:
-        from p2p_diloco.net.averaging import Averager  # the only hivemind users; imported lazily for mocked tests
-        from p2p_diloco.net.dht import run_prefix, start_dht, visible_maddrs
+        from p2p_diloco.net import nat  # the only hivemind users; imported lazily for mocked tests
+        from p2p_diloco.net.averaging import Averager
+        from p2p_diloco.net.dht import run_prefix, visible_maddrs
         from p2p_diloco.net.membership import Membership
 
-        self.dht = start_dht(self.cfg.network)
+        self.dht, choice, self.relay_issue = nat.join(self.cfg.network, self._payload_bytes(), self.log)
+        self.log.info(f"reachability: {choice.reason}; taking part as {choice.mode}")
         prefix = run_prefix(self.cfg.run.run_id, self.fingerprint)
         self.averager = Averager(self.dht, self.cfg.averaging, prefix, [p.shape for p in self.state.params],
-                                 client_mode=self.cfg.network.client_mode, fault=self.fault)
+                                 client_mode=choice.mode == "client", fault=self.fault)
         self.membership = Membership(self.cfg, self.dht, self.averager, prefix, self.name, self.state,
-                                     self.fingerprint, self.metrics, self.stop_event, self.log)
+                                     self.fingerprint, self.metrics, self.stop_event, self.log,
+                                     reachability=choice.mode)
         maddrs = visible_maddrs(self.dht)
         (self.run_dir / "maddrs.txt").write_text("\n".join(maddrs) + "\n")
         self.log.info(f"joined run {self.cfg.run.run_id!r} as {self.averager.peer_id} (group key prefix "
                       f"{prefix}); others can join through: {' '.join(maddrs)}")
         self.membership.wait_for_round(self.cfg.run.join_after_round)
         self.membership.enter()
+
+    def _payload_bytes(self) -> int:
+        """Bytes of one pseudo-gradient on the wire."""
+        return sum(p.numel() for p in self.state.params) * (4 if self.cfg.averaging.codec == "fp32" else 2)
 
     @property
     def peer_id(self) -> str:
@@ -180,14 +189,19 @@ class Peer:
     def _average(self):
         from p2p_diloco.net.averaging import Contribution
 
+        live = self.membership.live_roster() if self.membership is not None else []
         if self.membership is not None:
-            self.averager.set_group_size(len(self.membership.live_roster()))
+            self.averager.set_group_size(len(live))
         with self.averager.pseudo_grads() as buffers:
             pseudo_gradient(self.state.params, self.model.parameters(), buffers)
         weight = self.tokens_since_commit if self.cfg.diloco.weight_by_tokens else 1.0
         contribution = Contribution(name=self.name, round=self.round, digest=self.state.digest,
                                     tokens=self.tokens_since_commit)
-        return self.averager.average(contribution, weight)
+        result = self.averager.average(contribution, weight)
+        if not result.ok and self.membership is not None:  # name the cause and the fix when it is reachability
+            result.error = explain_no_group(self.membership.reachability, [s.reachability for s in live],
+                                            self.relay_issue) or result.error
+        return result
 
     def _commit(self, result) -> bool:
         """Apply the outer step with the averaged Δ, unless Δ is not finite (then every peer rejects it alike)."""

@@ -8,15 +8,18 @@ Keys (all under the run's prefix ``{run_id}_{fingerprint}``, so runs and model s
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import re
+import time
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Optional, Sequence
 
 import hivemind
 import torch
-from hivemind.p2p import P2PDaemonError
+from hivemind.p2p import P2P, P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -34,12 +37,72 @@ torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 
 class DHT(hivemind.DHT):
-    """hivemind.DHT whose background process, and the p2pd daemon it starts, die with the process that created it."""
+    """hivemind.DHT whose background process, and the p2pd daemon it starts, die with the process that created it;
+    its p2pd also reports AutoNAT's verdict (:func:`nat_status`) and uses its trusted relays at once."""
 
     def run(self) -> None:
         become_child_process()
         subprocesses_die_with_us()
+        _configure_p2pd()
         super().run()
+
+
+# ---------------------------------------------------------------------------------------------- p2pd settings
+# Two settings hivemind 1.1.12's P2P.create cannot pass to its p2pd (hivemind is pinned exactly, see averaging.py),
+# applied in the DHT's own process only:
+#  * with trusted relays, -relayDiscovery=0: otherwise p2pd's autorelay waits for 4 relay candidates or 3 minutes
+#    (go-libp2p's bootDelay) before it reserves a slot; with static relays it reserves once AutoNAT says "private";
+#  * AutoNAT's verdict ("NAT status is public|private", logged at debug level by the autonat subsystem) is kept for
+#    nat_status(): p2pd exposes it in no other way.
+_NAT_STATUS: dict = {"status": None, "since": None}
+_NAT_CHANGED: Optional[asyncio.Event] = None
+
+
+def _configure_p2pd() -> None:
+    from hivemind.utils.logging import loglevel, python_level_to_golog
+
+    os.environ["GOLOG_LOG_LEVEL"] = f"{python_level_to_golog(loglevel)},autonat=debug"
+    make_args, log_line = P2P._make_process_args, P2P._log_p2pd_message
+
+    def make_process_args(*args, **kwargs):
+        if kwargs.get("trustedRelays"):
+            kwargs.setdefault("relayDiscovery", False)
+        return make_args(*args, **kwargs)
+
+    def log_p2pd_message(line: str) -> None:
+        match = re.search(r"NAT status is (public|private|unknown)", line)
+        if match:
+            _NAT_STATUS.update(status=match.group(1), since=time.time())
+            if _NAT_CHANGED is not None:
+                _NAT_CHANGED.set()
+        log_line(line)
+
+    P2P._make_process_args = staticmethod(make_process_args)
+    P2P._log_p2pd_message = staticmethod(log_p2pd_message)
+
+
+def nat_status(dht: hivemind.DHT, timeout: float = 0.0) -> Optional[str]:
+    """AutoNAT's verdict on this node: "public" (peers dialed it back), "private" (they could not) or "unknown";
+    None if it has none yet. Waits up to ``timeout`` seconds for a first verdict (p2pd starts asking its peers to
+    dial back 15 s after it started)."""
+    return dht.run_coroutine(_NatStatusQuery(timeout))
+
+
+class _NatStatusQuery:
+    """Runs in the DHT's process (picklable, unlike a closure)."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+
+    async def __call__(self, _dht, _node) -> Optional[str]:
+        global _NAT_CHANGED
+        if _NAT_STATUS["status"] is None and self.timeout > 0:
+            _NAT_CHANGED = _NAT_CHANGED or asyncio.Event()
+            try:
+                await asyncio.wait_for(_NAT_CHANGED.wait(), self.timeout)
+            except asyncio.TimeoutError:
+                pass
+        return _NAT_STATUS["status"]
 
 
 def run_prefix(run_id: str, fingerprint: str) -> str:
@@ -48,8 +111,13 @@ def run_prefix(run_id: str, fingerprint: str) -> str:
     return f"{safe}_{fingerprint}"
 
 
-def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None) -> DHT:
-    """Start a DHT node from the [network] section; raise JoinError (one line) if it cannot join in time."""
+def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_reachability: Optional[str] = None,
+              relays: Sequence[str] = ()) -> DHT:
+    """Start a DHT node from the [network] section; raise JoinError (one line) if it cannot join in time.
+
+    ``client_mode`` overrides ``network.client_mode``; ``force_reachability`` ("public"/"private") replaces p2pd's
+    AutoNAT verdict; ``relays``: multiaddrs of relays to reserve a slot at as soon as this node is found unreachable.
+    """
     _check_maddrs("network.initial_peers", cfg.initial_peers)
     _check_maddrs("network.host_maddrs", cfg.host_maddrs)
     _check_maddrs("network.announce_maddrs", cfg.announce_maddrs)
@@ -66,6 +134,9 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None) -> DHT:
         client_mode=cfg.client_mode if client_mode is None else client_mode,
         startup_timeout=cfg.join_timeout,
         bootstrap_timeout=cfg.join_timeout,
+        force_reachability=force_reachability,
+        use_auto_relay=bool(relays),
+        trusted_relays=list(relays) or None,
     )
     try:
         dht = DHT(start=True, await_ready=False, **kwargs)

@@ -7,6 +7,7 @@
   run moved past its θ_global, or most peers hold other bytes for its round, it downloads the run's state from a
   peer that holds it and checks it against the donor's digest and the roster's.
 * Donating: a peer that is not in client mode serves a consistent snapshot of its state to joiners.
+* Reachability: each entry says how its peer takes part (public, relayed or client; net/reachability.py).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ class Membership:
     """Roster, heartbeat, sync and state serving for one peer. ``state`` is the peer's :class:`GlobalState`."""
 
     def __init__(self, cfg: Config, dht, averager, prefix: str, name: str, state: GlobalState, fingerprint: str,
-                 metrics: MetricsSink, stop_event: threading.Event, log: logging.Logger = logger):
+                 metrics: MetricsSink, stop_event: threading.Event, log: logging.Logger = logger,
+                 reachability: str = "public"):
         self.cfg, self.dht, self.averager, self.prefix = cfg, dht, averager, prefix
         self.name, self.state, self.fingerprint = name, state, fingerprint
         self.metrics, self.stop_event, self.log = metrics, stop_event, log
+        self.reachability = reachability  # how this peer takes part: public | relayed | client (net/reachability.py)
         self._closed = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
         # what we report about our work in the roster (PeerStatus fields of the same names); the peer updates it
@@ -46,7 +49,8 @@ class Membership:
     # ------------------------------------------------------------------------------------------------ roster
     def status(self, leaving: bool = False) -> PeerStatus:
         return PeerStatus(name=self.name, peer_id=self.peer_id, round=self.state.round, digest=self.state.digest,
-                          leaving=leaving, donor=not self.cfg.network.client_mode, **self.work)
+                          leaving=leaving, donor=self.reachability != "client", reachability=self.reachability,
+                          **self.work)
 
     def publish(self, leaving: bool = False) -> None:
         publish_status(self.dht, self.prefix, self.status(leaving), ttl=self.cfg.averaging.roster_ttl,

@@ -94,13 +94,16 @@ class LocalSwarm:
     bootstrap: Optional[Child] = None
     peers: dict[str, Child] = field(default_factory=dict)
     initial_peers: list[str] = field(default_factory=list)
+    # child name ("bootstrap" or a peer's) -> command prefix, e.g. ["ip", "netns", "exec", NS] (ops/netlab.py)
+    exec_prefix: dict[str, list[str]] = field(default_factory=dict)
 
-    def start_bootstrap(self, timeout: float = 60.0) -> list[str]:
+    def start_bootstrap(self, timeout: float = 60.0, extra_args: list[str] = ()) -> list[str]:
         """Start the bootstrap node; return its multiaddrs once it printed them (or raise after ``timeout``)."""
         log_path = self.run_dir / "bootstrap.log"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "p2p_diloco", "bootstrap", f"--network.host_maddrs={LOOPBACK}",
-             f"--network.identity_path={self.run_dir / 'bootstrap.key'}"],
+            [*self.exec_prefix.get("bootstrap", []), sys.executable, "-m", "p2p_diloco", "bootstrap",
+             f"--network.host_maddrs={LOOPBACK}", f"--network.identity_path={self.run_dir / 'bootstrap.key'}",
+             *extra_args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
             start_new_session=True)
         self.bootstrap = Child("bootstrap", proc, log_path)
@@ -138,7 +141,8 @@ class LocalSwarm:
         run_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.run_dir / f"{name}.log"
         log_file = open(log_path, "a")
-        args = [sys.executable, "-m", "p2p_diloco", "peer", "--initial-peers", ",".join(self.live_maddrs()),
+        args = [*self.exec_prefix.get(name, []), sys.executable, "-m", "p2p_diloco", "peer",
+                "--initial-peers", ",".join(self.live_maddrs()),
                 f"--run.name={name}", f"--run.run_dir={run_dir}", f"--network.host_maddrs={LOOPBACK}",
                 *self.peer_args, *extra_args]
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
