@@ -1,4 +1,4 @@
-"""``p2p-diloco``: bootstrap | peer | swarm. Thin: parse, build, run, and clean up in ``finally``.
+"""``p2p-diloco``: bootstrap | peer | swarm | doctor. Thin: parse, build, run, and clean up in ``finally``.
 
 Bad input (unknown key, wrong type, missing file, unreachable initial peer) prints one line and exits with code 2.
 """
@@ -72,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--initial-peers", metavar="MADDR[,MADDR]",
                    help="multiaddrs of any live node of the run (same as --network.initial_peers)")
 
+    d = command("doctor", "Check this machine's view of a swarm (initial peers, reachability, relay, clock, shared "
+                "memory, disk, GPU): one verdict per line, to paste into an issue.", _cmd_doctor, None)
+    d.add_argument("--initial-peers", metavar="MADDR[,MADDR]",
+                   help="multiaddrs of any live node of the run (same as --network.initial_peers)")
+
     s = command("swarm", "Run a bootstrap node and N peers on 127.0.0.1 (the demo, and the shape of our tests).",
                 _cmd_swarm, None, DEMO_DEFAULTS)
     s.add_argument("--peers", type=int, default=3, help="number of peers (default 3)")
@@ -117,6 +122,16 @@ def _cmd_peer(args, overrides: dict[str, str]) -> int:
     return 0
 
 
+def _cmd_doctor(args, overrides: dict[str, str]) -> int:
+    from p2p_diloco.ops.doctor import run_doctor
+
+    if args.initial_peers:
+        overrides = {"network.initial_peers": args.initial_peers, **overrides}
+    cfg = load_config(args.config, overrides)
+    _setup_logging("doctor", level=logging.WARNING)
+    return run_doctor(cfg, echo=lambda s: print(s, flush=True))
+
+
 def _cmd_swarm(args, overrides: dict[str, str]) -> int:
     from p2p_diloco.ops.swarm import DEMO_DEFAULTS, SET_BY_SWARM, run_swarm, write_peer_config
 
@@ -151,8 +166,8 @@ def _on_stop_signals(stop: threading.Event) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def _setup_logging(name: str) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+def _setup_logging(name: str, level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, stream=sys.stdout,
                         format=f"%(asctime)s {name} %(levelname)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("hivemind", "httpx", "datasets", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -183,8 +183,9 @@ def _valid_fault(text) -> bool:
 @dataclass
 class FaultConfig:
     """Testing only: make this peer fail on purpose (see p2p_diloco/ops/faults.py)."""
-    inject: Optional[str] = _f(None, "'kill:PHASE:ROUND' or 'stall:PHASE:ROUND', PHASE one of inner, matchmaking, "
-                               "allreduce, serving", check=_valid_fault,
+    inject: Optional[str] = _f(None, "'kill:PHASE:ROUND', 'stall:PHASE:ROUND' or 'hold:PHASE:ROUND' (wait until "
+                               "run_dir/hold is removed), PHASE one of inner, matchmaking, allreduce, serving",
+                               check=_valid_fault,
                                rule="expected ACTION:PHASE:ROUND, e.g. kill:allreduce:3")
 
 

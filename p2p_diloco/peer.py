@@ -26,7 +26,7 @@ import torch
 from p2p_diloco.config import Config, ConfigError
 from p2p_diloco.net.reachability import explain_no_group
 from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
-from p2p_diloco.ops.faults import parse_fault
+from p2p_diloco.ops.faults import HOLD_FILE, parse_fault
 from p2p_diloco.ops.metrics import JsonlSink, MetricsSink
 from p2p_diloco.train.data import build_data
 from p2p_diloco.train.global_state import GlobalState
@@ -46,7 +46,7 @@ class Peer:
         self.run_dir = Path(cfg.run.run_dir)
         self.stop_event = stop_event or threading.Event()
         self.averager = averager
-        self.fault = parse_fault(cfg.fault.inject)
+        self.fault = parse_fault(cfg.fault.inject, hold_path=str(self.run_dir / HOLD_FILE))
         self.dht = None
         self.membership = None  # net.membership.Membership once in a swarm; None with an injected averager
         self.relay_issue: Optional[str] = None  # why our relay cannot serve us (client mode only), for explanations

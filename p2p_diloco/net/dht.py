@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import hivemind
 import torch
-from hivemind.p2p import P2P, P2PDaemonError
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -151,6 +151,37 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
             msg = f"no initial peer reachable ({','.join(cfg.initial_peers)}): {msg}"
         raise JoinError(msg) from None
     return dht
+
+
+def reconnect(dht: hivemind.DHT, maddrs: Sequence[str], timeout: float) -> int:
+    """Dial and ping these nodes again, so that they are back in this node's DHT routing table; return how many
+    answered. A DHT node drops every neighbour that fails a request (a home router's outage does that to all of
+    them) and hivemind never bootstraps again by itself: without this, such a peer stays alone for good."""
+    return dht.run_coroutine(_Reconnect(list(maddrs), timeout))
+
+
+class _Reconnect:
+    """Runs in the DHT's process (picklable, unlike a closure)."""
+
+    def __init__(self, maddrs: list[str], timeout: float):
+        self.maddrs, self.timeout = maddrs, timeout
+
+    async def __call__(self, _dht, node) -> int:
+        async def ping(maddr: str) -> bool:
+            address, peer = maddr.rsplit("/p2p/", 1)
+            peer_id = PeerID.from_base58(peer)
+            for fresh in (False, True):  # a connection that lived through the outage may still be stalled
+                try:
+                    if fresh:
+                        await asyncio.wait_for(node.p2p._client.disconnect(peer_id), self.timeout)
+                    await asyncio.wait_for(node.p2p._client.connect(peer_id, [Multiaddr(address)]), self.timeout)
+                    if await node.protocol.call_ping(peer_id) is not None:
+                        return True
+                except Exception as e:
+                    logger.debug(f"reconnecting to {maddr} failed: {e!r}")
+            return False
+
+        return sum(await asyncio.gather(*(ping(m) for m in self.maddrs if "/p2p/" in m)))
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

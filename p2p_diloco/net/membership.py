@@ -19,7 +19,7 @@ from typing import Optional
 
 from p2p_diloco.config import Config
 from p2p_diloco.net.consensus import PeerStatus, SyncTarget, sync_target
-from p2p_diloco.net.dht import publish_status, read_roster
+from p2p_diloco.net.dht import publish_status, read_roster, reconnect
 from p2p_diloco.ops.metrics import MetricsSink
 from p2p_diloco.train.global_state import GlobalState
 from p2p_diloco.train.outer import state_digests
@@ -39,6 +39,7 @@ class Membership:
         self.reachability = reachability  # how this peer takes part: public | relayed | client (net/reachability.py)
         self._closed = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
+        self._last_reconnect = 0.0
         # what we report about our work in the roster (PeerStatus fields of the same names); the peer updates it
         self.work = {"tokens_per_s": 0.0, "tokens_trained": 0, "last_allreduce_s": 0.0, "last_bytes": 0}
 
@@ -57,8 +58,23 @@ class Membership:
                        timeout=self.cfg.averaging.request_timeout)
 
     def roster(self) -> list[PeerStatus]:
-        """Every unexpired roster entry, leavers included."""
-        return read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+        """Every unexpired roster entry, leavers included. Seeing nobody else, first dial the initial peers again
+        (at most every roster_ttl): after a network outage this node's DHT may have dropped all its neighbours."""
+        roster = read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+        alone = not any(s.peer_id != self.peer_id for s in roster)
+        if alone and self.cfg.network.initial_peers and self._may_reconnect():
+            answered = reconnect(self.dht, self.cfg.network.initial_peers, self.cfg.averaging.request_timeout)
+            if answered:
+                self.log.info(f"no other peer in the roster: reached {answered} initial peer(s) again")
+                roster = read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+        return roster
+
+    def _may_reconnect(self) -> bool:
+        now = time.monotonic()
+        if now - self._last_reconnect < self.cfg.averaging.roster_ttl:
+            return False
+        self._last_reconnect = now
+        return True
 
     def live_roster(self) -> list[PeerStatus]:
         return [s for s in self.roster() if not s.leaving]

@@ -48,7 +48,7 @@ def join(cfg: NetworkConfig, payload_bytes: int, log: logging.Logger = logger) -
     relays = list(cfg.trusted_relays or cfg.initial_peers)
     if cfg.client_mode or cfg.reachability == "public":
         dht = start_dht(cfg, client_mode=cfg.client_mode)
-        return dht, choose_mode(_findings(cfg, None, None, payload_bytes)), None
+        return dht, choose_mode(findings(cfg, None, None, payload_bytes)), None
     forced = "private" if cfg.reachability == "private" else None
     dht = start_dht(cfg, client_mode=True, force_reachability=forced, relays=relays)
     status = None
@@ -59,15 +59,15 @@ def join(cfg: NetworkConfig, payload_bytes: int, log: logging.Logger = logger) -
     relay = None
     if status != "public" and relays:
         relay = find_relay(dht, timeout=RELAY_WAIT_S)
-    findings = _findings(cfg, status, relay, payload_bytes)
-    choice = choose_mode(findings)
+    choice = choose_mode(findings(cfg, status, relay, payload_bytes))
     if choice.mode == "public":
         dht.shutdown()  # found dialable: serve the DHT too
         dht = start_dht(cfg, client_mode=False)
     return dht, choice, None if choice.mode != "client" else relay_problem(relay, payload_bytes)
 
 
-def _findings(cfg: NetworkConfig, status, relay, payload_bytes: int) -> Findings:
+def findings(cfg: NetworkConfig, status, relay, payload_bytes: int) -> Findings:
+    """What ``choose_mode`` decides on, from the config and what was found."""
     hosts = [Multiaddr(m).value_for_protocol("ip4") or "" for m in (*cfg.announce_maddrs, *cfg.host_maddrs)
              if "/ip4/" in m]
     return Findings(setting=cfg.reachability, client_mode=cfg.client_mode, nat_status=status,

@@ -35,8 +35,11 @@ def run_bootstrap(cfg: NetworkConfig, stop_event: threading.Event, *, maddrs_fil
     """Serve the DHT until ``stop_event`` is set. Prints the addresses to give peers and a command to join."""
     from p2p_diloco.net.dht import visible_maddrs  # hivemind loads in ~2 s: not for --help or bad input
 
+    from p2p_diloco.ops.doctor import ServeSpeedTest
+
     dht = _start_with_relay(cfg, echo)
     try:
+        dht.run_coroutine(ServeSpeedTest())  # for p2p-diloco doctor's throughput line
         maddrs = visible_maddrs(dht)
         echo(f"bootstrap node {dht.peer_id} is up; identity file: {cfg.identity_path or '(none: new id each start)'}")
         for maddr in maddrs:

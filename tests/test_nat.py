@@ -1,0 +1,137 @@
+"""Home peers behind NAT, in an emulated internet (p2p_diloco/ops/netlab.py): real peer processes in network
+namespaces; each home sits behind its own masquerading router (no inbound connections) on a 100/20 Mbit/s link;
+the bootstrap node is the run's relay. Skipped only where namespaces or nftables are unavailable."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from p2p_diloco.config import load_config
+from p2p_diloco.ops.faults import HOLD_FILE
+from p2p_diloco.ops.metrics import read_jsonl
+from p2p_diloco.ops.netlab import Internet, unavailable_reason
+from p2p_diloco.ops.swarm import DEMO_DEFAULTS, LocalSwarm, collect_rounds, write_peer_config
+
+REASON = unavailable_reason(nat=True)
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"emulated internet unavailable: {REASON}")
+
+SMALL = {"inner.batch_size": 4, "model.seq_len": 32, "data.eval_batches": 1, "run.eval_every": 0,
+         "averaging.matchmaking_time": 4.0, "averaging.request_timeout": 2.0, "averaging.next_chunk_timeout": 6.0,
+         "averaging.roster_ttl": 6.0}
+LISTEN = "--network.host_maddrs=/ip4/0.0.0.0/tcp/31337"
+
+
+class LabSwarm:
+    """A bootstrap node and peers, each in its own host of an emulated internet."""
+
+    def __init__(self, tmp_path: Path, net: Internet, rounds: int, expected_peers: int, **overrides):
+        cfg = load_config(defaults={**DEMO_DEFAULTS, **SMALL, **overrides})
+        self.net, self.run_dir = net, tmp_path
+        args = [f"--run.rounds={rounds}", "--diloco.inner_steps=10", f"--run.expected_peers={expected_peers}",
+                *write_peer_config(tmp_path, cfg)]
+        self.swarm = LocalSwarm(tmp_path, peer_args=args)
+        self.initial_peer = ""
+
+    def start_bootstrap(self, *args: str) -> None:
+        host = self.net.add_public("boot")
+        self.swarm.exec_prefix["bootstrap"] = host.exec_prefix
+        maddrs = self.swarm.start_bootstrap(extra_args=[LISTEN, *args])
+        self.initial_peer = next(m for m in maddrs if f"/{host.address}/" in m)
+
+    def start_peer(self, name: str, *args: str, home: bool) -> None:
+        host = self.net.add_home(name) if home else self.net.add_public(name)
+        if home:
+            self.net.shape(name, down_mbit=100, up_mbit=20)
+        self.swarm.exec_prefix[name] = host.exec_prefix
+        self.swarm.start_peer(name, [f"--initial-peers={self.initial_peer}", LISTEN, *args])
+
+    def running(self, name: str) -> bool:
+        return self.swarm.peers[name].proc.poll() is None
+
+    def committed(self) -> dict[int, dict[str, dict]]:
+        return collect_rounds(self.swarm.peers)
+
+    def records(self, name: str) -> list[dict]:
+        return [r for r in read_jsonl(self.run_dir / name / "metrics.jsonl") if r.get("event") == "round"]
+
+    def log(self, name: str) -> str:
+        return (self.run_dir / f"{name}.log").read_text()
+
+    def close(self) -> None:
+        self.swarm.close()
+
+
+def _wait(condition, timeout: float, what: str, swarm: LabSwarm) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"== {n}\n{swarm.log(n)[-2000:]}" for n in swarm.swarm.peers)
+            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+        time.sleep(0.5)  # peers report through their metrics files: poll them
+
+
+def _repairs(run_dir: Path) -> list[dict]:
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("event") == "repair"]
+
+
+def _mode(swarm: LabSwarm, name: str) -> str:
+    line = next(line for line in swarm.log(name).splitlines() if "taking part as" in line)
+    return line.rsplit("taking part as ", 1)[1].strip()
+
+
+@pytest.mark.timeout(360)
+def test_home_peers_behind_nat_train_survive_a_router_failure_and_continue_through_the_relay(tmp_path, process_tag):
+    """(a) a public peer and three homes behind three NATs train with equal θ_global digests; (d) reachability=auto
+    finds the public peer public and the homes unreachable but relayed; (c) home2's router goes down while its
+    all-reduce is in flight: the others commit nothing that round, carry on and agree; when its router is back,
+    home2 repairs itself from them; (b) the public peer leaves: the homes train on through the bootstrap's relay."""
+    rounds = 10
+    with Internet() as net:
+        swarm = LabSwarm(tmp_path, net, rounds, expected_peers=4)
+        try:
+            swarm.start_bootstrap()
+            swarm.start_peer("pub0", home=False)
+            for name in ("home0", "home1"):
+                swarm.start_peer(name, home=True)
+            swarm.start_peer("home2", "--fault.inject=hold:allreduce:4", home=True)
+            hold = tmp_path / "home2" / HOLD_FILE
+            _wait(hold.exists, 240, "home2 to reach its all-reduce of round 4", swarm)
+            net.router_down("home2")  # mid all-reduce: its packets now vanish, no FIN, no RST
+            hold.unlink()
+            _wait(lambda: not all(r["committed"] for r in swarm.records("pub0")), 60, "the failed round", swarm)
+            net.router_up("home2")
+            _wait(lambda: _repairs(tmp_path / "home2"), 90, "home2 to repair itself", swarm)
+            swarm.swarm.peers["pub0"].proc.send_signal(signal.SIGTERM)  # leaves after the round under way
+            _wait(lambda: not any(swarm.running(n) for n in ("home0", "home1", "home2")), 150, "the homes", swarm)
+            committed = swarm.committed()
+            modes = {name: _mode(swarm, name) for name in ("pub0", "home0", "home1", "home2")}
+            records = {name: swarm.records(name) for name in ("pub0", "home0", "home1", "home2")}
+            repairs = _repairs(tmp_path / "home2")
+        finally:
+            swarm.close()
+    assert modes == {"pub0": "public", "home0": "relayed", "home1": "relayed", "home2": "relayed"}  # (d)
+    for number in (1, 2, 3):  # (a)
+        assert set(committed[number]) == {"pub0", "home0", "home1", "home2"}, committed[number].keys()
+    survivors = ("pub0", "home0", "home1")
+    for number in range(1, rounds + 1):
+        digests = {committed[number][n]["global_params_sha256"] for n in committed[number] if n in survivors}
+        assert len(digests) == 1, f"round {number}: the survivors disagree on θ_global: {committed[number]}"
+    for name in survivors:  # (c): the attempt home2 was cut off in: nobody committed it, θ_global untouched
+        failed = next(r for r in records[name] if not r["committed"])
+        assert failed["round"] == 3 and failed["global_params_sha256"] == committed[3][name]["global_params_sha256"]
+    assert set(committed[4]) >= set(survivors)  # ... then they carried on without home2
+    # home2 may have received every part before its link died (it then committed its own round 4, alone): back
+    # online, it is behind the run, repairs from a peer holding the run's state, and agrees from then on
+    assert repairs[0]["round"] >= 4, repairs
+    for number in range(repairs[0]["round"] + 1, rounds + 1):
+        assert "home2" in committed[number] and len({r["global_params_sha256"] for r in committed[number].values()}) == 1
+    last_public = max(n for n in committed if "pub0" in committed[n])
+    assert rounds - last_public >= 3
+    for number in range(last_public + 1, rounds + 1):  # (b): no public peer left, only the relay
+        assert set(committed[number]) == {"home0", "home1", "home2"}, committed[number].keys()
+
+
