@@ -4,7 +4,10 @@ the bootstrap node is the run's relay. Skipped only where namespaces or nftables
 
 from __future__ import annotations
 
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -135,3 +138,41 @@ def test_home_peers_behind_nat_train_survive_a_router_failure_and_continue_throu
         assert set(committed[number]) == {"home0", "home1", "home2"}, committed[number].keys()
 
 
+
+
+@pytest.mark.timeout(240)
+def test_home_peers_without_a_usable_relay_say_why_no_group_can_form_and_doctor_reports(tmp_path, process_tag):
+    """A bootstrap node that is not told it is public keeps p2pd's default relay (128 KiB per relayed connection):
+    two homes behind NAT find it too small, fall back to client mode (d), and, with nobody able to accept
+    connections, say in one line per round why no group can form and what fixes it. ``p2p-diloco doctor``, run
+    from a third home, reports each of these findings with its verdict."""
+    with Internet() as net:
+        swarm = LabSwarm(tmp_path, net, rounds=3, expected_peers=2, **{"averaging.matchmaking_time": 2.0,
+                                                                       "averaging.request_timeout": 1.5})
+        try:
+            swarm.start_bootstrap("--network.reachability=auto")
+            for name in ("home0", "home1"):
+                swarm.start_peer(name, "--network.reachability=private", home=True)
+            doctor_host = net.add_home("doctor")
+            net.shape("doctor", down_mbit=100, up_mbit=20)
+            doctor = subprocess.run([*doctor_host.exec_prefix, sys.executable, "-m", "p2p_diloco", "doctor",
+                                     "--initial-peers", swarm.initial_peer], capture_output=True, text=True,
+                                    timeout=150)
+            explained = lambda n: [r for r in swarm.records(n) if (r["error"] or "").startswith("no group can form")]
+            _wait(lambda: all(len(explained(n)) >= 2 for n in ("home0", "home1")), 90, "two explanations", swarm)
+            logs = {name: swarm.log(name) for name in ("home0", "home1")}
+            records = {name: swarm.records(name) for name in ("home0", "home1")}
+        finally:
+            swarm.close()
+    for name, log in logs.items():
+        assert "taking part as client" in log and "128 KiB (2 min)" in log  # (d): the relay is too small
+        lines = [line for line in log.splitlines() if "no group can form" in line]
+        assert len(lines) >= 2 and all("not committed" in line and "Fix: forward a TCP port" in line for line in lines)
+        assert not any(r["committed"] for r in records[name])
+    report = doctor.stdout
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr[-3000:]
+    for expected in ("[ OK ] initial peers: 1 of 1 answered", "[ OK ] clock offset", "[WARN] reachable from "
+                     "outside: no", "[WARN] relay: reserved at", "128 KiB", "take part as client", "[ OK ] /dev/shm"):
+        assert expected in report, report
+    up, down = (float(x) for x in re.search(r"up ([\d.]+) Mbit/s, down ([\d.]+) Mbit/s", report).groups())
+    assert up < 25 < down, report  # the 20/100 Mbit/s link, measured

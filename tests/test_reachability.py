@@ -20,8 +20,9 @@ BIG = RelayInfo("/ip4/192.0.0.100/tcp/31337/p2p/QmRelay", 1800, 4 << 30)
 SMALL = RelayInfo("/ip4/192.0.0.100/tcp/31337/p2p/QmRelay", *DEFAULT_RELAY_LIMIT)
 
 
-def findings(setting="auto", client_mode=False, nat=None, public_address=False, relay=None, payload=20 * MB):
-    return Findings(setting, client_mode, nat, public_address, relay, payload)
+def findings(setting="auto", client_mode=False, nat=None, public_address=False, relay=None, payload=20 * MB,
+             public_network=True):
+    return Findings(setting, client_mode, nat, public_address, public_network, relay, payload)
 
 
 @pytest.mark.parametrize("case, mode", [
@@ -34,6 +35,7 @@ def findings(setting="auto", client_mode=False, nat=None, public_address=False, 
     (findings(setting="public", nat="private"), "public"),  # the operator knows better
     (findings(setting="private", relay=BIG), "relayed"),
     (findings(client_mode=True, nat="public", relay=BIG), "client"),
+    (findings(public_network=False), "public"),             # a LAN or loopback swarm: AutoNAT cannot tell
 ])
 def test_choose_mode(case, mode):
     choice = choose_mode(case)

@@ -121,6 +121,7 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
     _check_maddrs("network.initial_peers", cfg.initial_peers)
     _check_maddrs("network.host_maddrs", cfg.host_maddrs)
     _check_maddrs("network.announce_maddrs", cfg.announce_maddrs)
+    _check_maddrs("network.trusted_relays", cfg.trusted_relays)
     if cfg.identity_path:
         try:
             Path(cfg.identity_path).expanduser().parent.mkdir(parents=True, exist_ok=True)

@@ -46,9 +46,10 @@ def join(cfg: NetworkConfig, payload_bytes: int, log: logging.Logger = logger) -
     AutoNAT's verdict; a peer found public restarts its DHT node as a DHT server (about a second).
     """
     relays = list(cfg.trusted_relays or cfg.initial_peers)
-    if cfg.client_mode or cfg.reachability == "public":
-        dht = start_dht(cfg, client_mode=cfg.client_mode)
-        return dht, choose_mode(findings(cfg, None, None, payload_bytes)), None
+    known = findings(cfg, None, None, payload_bytes)
+    if cfg.client_mode or cfg.reachability == "public" or (cfg.reachability == "auto" and not known.public_network):
+        dht = start_dht(cfg, client_mode=cfg.client_mode)  # nothing to find out (AutoNAT needs public peers)
+        return dht, choose_mode(known), None
     forced = "private" if cfg.reachability == "private" else None
     dht = start_dht(cfg, client_mode=True, force_reachability=forced, relays=relays)
     status = None
@@ -68,10 +69,15 @@ def join(cfg: NetworkConfig, payload_bytes: int, log: logging.Logger = logger) -
 
 def findings(cfg: NetworkConfig, status, relay, payload_bytes: int) -> Findings:
     """What ``choose_mode`` decides on, from the config and what was found."""
-    hosts = [Multiaddr(m).value_for_protocol("ip4") or "" for m in (*cfg.announce_maddrs, *cfg.host_maddrs)
-             if "/ip4/" in m]
     return Findings(setting=cfg.reachability, client_mode=cfg.client_mode, nat_status=status,
-                    public_address=any(is_public_ip(h) for h in hosts), relay=relay, payload_bytes=payload_bytes)
+                    public_address=any(map(is_public_ip, _hosts([*cfg.announce_maddrs, *cfg.host_maddrs]))),
+                    public_network=any(map(is_public_ip, _hosts(cfg.initial_peers))), relay=relay,
+                    payload_bytes=payload_bytes)
+
+
+def _hosts(maddrs) -> list[str]:
+    """The IP of each /ip4/ or /ip6/ multiaddr."""
+    return [m.split("/")[2] for m in maddrs if m.startswith(("/ip4/", "/ip6/")) and m.count("/") >= 2]
 
 
 # ---------------------------------------------------------------------------------------------- relays

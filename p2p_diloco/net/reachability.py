@@ -41,6 +41,7 @@ class Findings:
     client_mode: bool               # network.client_mode: dial-out only, whatever was found
     nat_status: Optional[str]       # AutoNAT's verdict: public | private | unknown | None (no verdict in time)
     public_address: bool            # one of its listen or announced addresses is a public IP
+    public_network: bool            # one of its initial peers has a public IP (else: a LAN, or a new swarm)
     relay: Optional[RelayInfo]      # its reservation at a relay, if it holds one
     payload_bytes: int              # bytes of one pseudo-gradient on the wire
 
@@ -57,6 +58,9 @@ def dialable(f: Findings) -> tuple[bool, str]:
         return True, "network.reachability = public"
     if f.setting == "private":
         return False, "network.reachability = private"
+    if not f.public_network:
+        return True, "no initial peer has a public address: a private network (or a new swarm) where peers dial " \
+                     "each other directly"
     if f.nat_status in ("public", "private"):
         return f.nat_status == "public", f"AutoNAT: peers {'dialed it back' if f.nat_status == 'public' else 'could not dial it back'}"
     guess = "it has a public address" if f.public_address else "it has no public address"
@@ -69,7 +73,7 @@ def relay_problem(relay: Optional[RelayInfo], payload_bytes: int) -> Optional[st
     if relay is None:
         return "no relay reservation"
     if relay.data_bytes is not None and relay.data_bytes < 2 * payload_bytes:
-        return (f"the relay {relay.relay} resets a relayed connection after {_size(relay.data_bytes)} "
+        return (f"the relay {short_maddr(relay.relay)} resets a relayed connection after {_size(relay.data_bytes)} "
                 f"({_duration(relay.duration_s)}), less than two rounds of this run's {_size(payload_bytes)} payload")
     return None
 
@@ -85,7 +89,7 @@ def choose_mode(f: Findings) -> Choice:
     problem = relay_problem(f.relay, f.payload_bytes)
     if problem is None:
         return Choice("relayed", f"others cannot dial this peer ({how}); reachable through the relay "
-                                 f"{f.relay.relay} ({limits_text(f.relay)})")
+                                 f"{short_maddr(f.relay.relay)} ({limits_text(f.relay)})")
     return Choice("client", f"others cannot dial this peer ({how}) and {problem}: dial-out only (client mode); "
                             f"a group needs a public or relayed peer")
 
@@ -119,6 +123,12 @@ def is_public_ip(host: str) -> bool:
     except ValueError:
         return False
     return not any(ip.version == net.version and ip in net for net in _NOT_PUBLIC)
+
+
+def short_maddr(maddr: str) -> str:
+    """``/ip4/1.2.3.4/tcp/31337/p2p/QmLongPeerId`` as ``/ip4/1.2.3.4/tcp/31337/p2p/QmLongPe…``, for log lines."""
+    address, sep, peer = maddr.rpartition("/p2p/")
+    return f"{address}/p2p/{peer[:8]}…" if sep and len(peer) > 8 else maddr
 
 
 def limits_text(relay: RelayInfo) -> str:

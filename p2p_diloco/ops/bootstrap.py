@@ -64,15 +64,18 @@ def _write_atomically(path: str, text: str) -> None:
 
 def _start_with_relay(cfg: NetworkConfig, echo: Callable[[str], None]):
     """Start the DHT node; if it is to be public, restart it until its relay grants the large limits."""
-    from p2p_diloco.net.dht import start_dht
+    from p2p_diloco.net.dht import start_dht, visible_maddrs
     from p2p_diloco.net.nat import own_relay_limits
-    from p2p_diloco.net.reachability import DEFAULT_RELAY_LIMIT, RelayInfo, limits_text
+    from p2p_diloco.net.reachability import DEFAULT_RELAY_LIMIT, RelayInfo, is_public_ip, limits_text
 
     force = None if cfg.reachability == "auto" else cfg.reachability
     for attempt in range(1, RELAY_STARTS + 1):
         dht = start_dht(cfg, force_reachability=force)
         if force != "public":
             echo("relay: serves once AutoNAT finds this node public (network.reachability=public skips that)")
+            return dht
+        if not any(is_public_ip(m.split("/")[2]) for m in visible_maddrs(dht)):
+            echo("relay: off (no public address: a relay must have one; network.announce_maddrs can add it)")
             return dht
         limits = own_relay_limits(dht)
         if limits is not None and tuple(limits) != DEFAULT_RELAY_LIMIT:

@@ -112,7 +112,7 @@ def _addresses_line(dht) -> Line:
 
 def _relay_lines(cfg: Config, dht, status: Optional[str], payload: int) -> list[Line]:
     from p2p_diloco.net.nat import RELAY_WAIT_S, find_relay, findings
-    from p2p_diloco.net.reachability import choose_mode, limits_text, relay_problem
+    from p2p_diloco.net.reachability import choose_mode, limits_text, relay_problem, short_maddr
 
     relay = None
     if status == "public":
@@ -125,7 +125,7 @@ def _relay_lines(cfg: Config, dht, status: Optional[str], payload: int) -> list[
                           "list it in network.trusted_relays")]
         else:
             lines = [Line("OK" if problem is None else "WARN", "relay",
-                          f"reserved at {relay.relay}; {limits_text(relay)}" + (f": {problem}" if problem else ""))]
+                          f"reserved at {short_maddr(relay.relay)}; {limits_text(relay)}" + (f": {problem}" if problem else ""))]
     choice = choose_mode(findings(cfg.network, status, relay, payload))
     return lines + [Line("INFO", "mode", f"a peer here would take part as {choice.mode}: {choice.reason}")]
 
