@@ -15,9 +15,11 @@ result), the link bound (the least time these links allow: the busiest link's by
 butterfly's traffic with equal shares among reducers; the home uplink is the bound), their ratio, the MB each peer
 sent on its interface and the MB the relay forwarded (measured on interfaces, headers included). Then what a model
 of ``--model-params`` parameters would do against the relay's limits per relayed connection, which the relay itself
-reports (circuit v2 RESERVE). Needs root (``ip netns``) and nftables. Run:
+reports (circuit v2 RESERVE). ``--relay-data-limit`` lowers the relay's limit to watch a relayed connection being
+reset (``--scenario relayed --reps 6 --relay-data-limit 45e6``: one round in four fails). Needs root
+(``ip netns``) and nftables. Run:
 
-    sudo python benchmarks/nat.py [--params 10e6] [--down 100 --up 20] [--reps 3]
+    sudo python benchmarks/nat.py [--params 10e6] [--down 100 --up 20] [--reps 3] [--scenario relayed]
 """
 
 from __future__ import annotations
@@ -83,11 +85,13 @@ def worker(args) -> None:
 class Relay:
     """A p2p-diloco bootstrap node (public, serving the relay) in ``host``; ``maddr`` to join through."""
 
-    def __init__(self, host, log_path: Path):
+    def __init__(self, host, log_path: Path, data_limit: int, time_limit: float):
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen([*host.exec_prefix, sys.executable, "-m", "p2p_diloco", "bootstrap",
                                       "--network.host_maddrs=/ip4/0.0.0.0/tcp/31337",
-                                      f"--network.identity_path={log_path.parent / 'relay.key'}"],
+                                      f"--network.identity_path={log_path.parent / 'relay.key'}",
+                                      f"--network.relay_data_limit={data_limit}",
+                                      f"--network.relay_time_limit={time_limit}"],
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True)
         self.maddr, self.limits_line = "", ""
         for line in self.proc.stdout:
@@ -153,7 +157,8 @@ def measure(net: Internet, relay: Relay, scenario: str, args, log_dir: Path) -> 
         for w in workers:
             w.close()
     ok = [(a, r) for a, r in rounds[1:] if all(x["ok"] for x in a)]
-    row = {"scenario": scenario, "modes": modes, "ok": f"{len(ok)}/{args.reps}",
+    committed = "".join("+" if all(x["ok"] for x in a) else "-" for a, _ in rounds[1:])
+    row = {"scenario": scenario, "modes": modes, "ok": f"{len(ok)}/{args.reps} ({committed})",
            "bound_s": bound_s(scenario, args.params, args.down, args.up, args.cloud)}
     if ok:
         row.update(allreduce_s=median(max(x["allreduce_s"] for x in a) for a, _ in ok),
@@ -173,20 +178,22 @@ def relay_link_bytes(net: Internet) -> tuple[int, int]:
     return int(tx), int(rx)
 
 
-def big_model_lines(limits_line: str, model_params: float, up: float) -> list[str]:
-    """What a payload of ``model_params`` fp16 values does against the relay's limits, for two relayed peers."""
+def big_model_lines(limits_line: str, model_params: float, up: float, data_limit: int, time_limit: float) -> list[str]:
+    """What a payload of ``model_params`` fp16 values does against the relay's limits, for relayed homes."""
     payload = model_params * BYTES_PER_VALUE
-    lines = [f"relay (measured with a RESERVE): {limits_line}",
+    lines = [f"relay (as it answered a RESERVE): {limits_line}",
              f"a {model_params / 1e9:g}B-parameter model: {payload / 1e9:.1f} GB per all-reduce payload (fp16)"]
     for n in (2, 4):
         per_direction = 2 * payload / n  # between two relayed peers, each way, per round (equal shares)
         round_s = 2 * (n - 1) / n * payload * 8 / (up * 1e6)  # each home uploads 2(N-1)/N x payload
-        by_data = (4 << 30) / per_direction
-        by_time = 30 * 60 / round_s
+        by_data = data_limit / per_direction
+        by_time = time_limit / round_s
         lines.append(f"N={n} relayed homes: {per_direction / 1e9:.2f} GB each way per relayed connection per round; "
                      f"a round needs at least {round_s / 60:.1f} min at {up:g} Mbit/s up; a relayed connection is "
-                     f"reset after 4 GiB ({by_data:.2f} rounds) or 30 min ({by_time:.2f} rounds): the round in "
-                     f"flight then fails, so about one round in {max(1, int(min(by_data, by_time)) + 1)} is lost")
+                     f"reset after {data_limit / 2**30:.3g} GiB ({by_data:.2f} rounds) or {time_limit / 60:g} min "
+                     f"({by_time:.2f} rounds): the round in flight then fails, so "
+                     + (f"about one round in {int(min(by_data, by_time)) + 1} is lost" if min(by_data, by_time) >= 1
+                        else "every round fails"))
     return lines
 
 
@@ -199,6 +206,10 @@ def main() -> None:
     parser.add_argument("--scenario", action="append", help=f"one of {', '.join(SCENARIOS)} (default: all)")
     parser.add_argument("--reps", type=int, default=3, help="timed rounds per scenario (default 3)")
     parser.add_argument("--model-params", type=float, default=1e9, help="model for the relay-limit analysis")
+    parser.add_argument("--relay-data-limit", type=float, default=1 << 32,
+                        help="bytes a relayed connection carries each way before the relay resets it (default 4 GiB)")
+    parser.add_argument("--relay-time-limit", type=float, default=1800,
+                        help="seconds a relayed connection lasts before the relay resets it (default 1800)")
     parser.add_argument("--log-dir", default="/tmp/nat-bench", help="workers' logs")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -218,20 +229,22 @@ def main() -> None:
         for name, (kind, _) in {f"{k}{i}": (k, s) for sc in scenarios for i, (k, s) in enumerate(SCENARIOS[sc])}.items():
             (net.add_home if kind == "home" else net.add_public)(name)
             net.shape(name, *((args.cloud, args.cloud) if kind == "cloud" else (args.down, args.up)))
-        relay = Relay(net.hosts["relay"], log_dir / "relay.log")
+        relay = Relay(net.hosts["relay"], log_dir / "relay.log", int(args.relay_data_limit), args.relay_time_limit)
         try:
             rows = [measure(net, relay, scenario, args, log_dir) for scenario in scenarios]
         finally:
             relay.close()
     print(f"\n{time.perf_counter() - start:.0f} s in all; median of {args.reps} rounds after a warm-up; "
           f"{args.params / 1e6:g}M values, homes {args.down:g}/{args.up:g} Mbit/s, cloud and relay {args.cloud:g}\n")
-    print(table(["setting", "modes", "all-reduce s", "bound s", "ratio", "MB sent per peer", "MB via relay", "ok"],
+    print(table(["setting", "modes", "all-reduce s", "bound s", "ratio", "MB sent per peer", "MB via relay",
+                 "committed (+) per round"],
                 [[r["scenario"], "/".join(r["modes"]), f"{r['allreduce_s']:.2f}" if "allreduce_s" in r else "failed",
                   f"{r['bound_s']:.2f}", f"{r['ratio']:.2f}" if "ratio" in r else "",
                   f"{r['sent_mb']:.1f}" if "sent_mb" in r else "", f"{r['relay_mb']:.1f}" if "relay_mb" in r else "",
                   r["ok"]] for r in rows]))
     print()
-    for line in big_model_lines(relay.limits_line, args.model_params, args.up):
+    for line in big_model_lines(relay.limits_line, args.model_params, args.up, int(args.relay_data_limit),
+                                args.relay_time_limit):
         print(f"- {line}")
 
 

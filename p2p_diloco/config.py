@@ -142,6 +142,12 @@ class NetworkConfig:
                                    "(a p2p-diloco bootstrap node on a public host is one); empty: the initial peers")
     reachability_timeout: float = _f(40.0, "how long reachability=auto waits for AutoNAT's verdict (p2pd asks "
                                      "peers to dial back 15 s after start)", "s", _positive, "must be > 0")
+    relay_data_limit: int = _f(1 << 32, "a relayed connection through this node is reset after carrying this many "
+                               "bytes each way (a round in flight then fails); raise it on a bootstrap node relaying "
+                               "big models", "bytes", _positive, "must be > 0")
+    relay_time_limit: float = _f(1800.0, "a relayed connection through this node is reset after this long (a round "
+                                 "in flight then fails); raise it for rounds longer than a few minutes", "s",
+                                 _positive, "must be > 0")
 
 
 @dataclass

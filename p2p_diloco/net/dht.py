@@ -40,16 +40,21 @@ class DHT(hivemind.DHT):
     """hivemind.DHT whose background process, and the p2pd daemon it starts, die with the process that created it;
     its p2pd also reports AutoNAT's verdict (:func:`nat_status`) and uses its trusted relays at once."""
 
+    def __init__(self, *args, p2pd_flags: Optional[dict] = None, **kwargs):
+        self._p2pd_flags = dict(p2pd_flags or {})  # set before super().__init__, which may start the process
+        super().__init__(*args, **kwargs)
+
     def run(self) -> None:
         become_child_process()
         subprocesses_die_with_us()
-        _configure_p2pd()
+        _configure_p2pd(self._p2pd_flags)
         super().run()
 
 
 # ---------------------------------------------------------------------------------------------- p2pd settings
-# Two settings hivemind 1.1.12's P2P.create cannot pass to its p2pd (hivemind is pinned exactly, see averaging.py),
+# Settings hivemind 1.1.12's P2P.create cannot pass to its p2pd (hivemind is pinned exactly, see averaging.py),
 # applied in the DHT's own process only:
+#  * the relay's limits per relayed connection (network.relay_time_limit, network.relay_data_limit);
 #  * with trusted relays, -relayDiscovery=0: otherwise p2pd's autorelay waits for 4 relay candidates or 3 minutes
 #    (go-libp2p's bootDelay) before it reserves a slot; with static relays it reserves once AutoNAT says "private";
 #  * AutoNAT's verdict ("NAT status is public|private", logged at debug level by the autonat subsystem) is kept for
@@ -58,7 +63,7 @@ _NAT_STATUS: dict = {"status": None, "since": None}
 _NAT_CHANGED: Optional[asyncio.Event] = None
 
 
-def _configure_p2pd() -> None:
+def _configure_p2pd(flags: dict) -> None:
     from hivemind.utils.logging import loglevel, python_level_to_golog
 
     os.environ["GOLOG_LOG_LEVEL"] = f"{python_level_to_golog(loglevel)},autonat=debug"
@@ -67,7 +72,7 @@ def _configure_p2pd() -> None:
     def make_process_args(*args, **kwargs):
         if kwargs.get("trustedRelays"):
             kwargs.setdefault("relayDiscovery", False)
-        return make_args(*args, **kwargs)
+        return make_args(*args, **{**kwargs, **flags})
 
     def log_p2pd_message(line: str) -> None:
         match = re.search(r"NAT status is (public|private|unknown)", line)
@@ -139,8 +144,9 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
         use_auto_relay=bool(relays),
         trusted_relays=list(relays) or None,
     )
+    flags = {"relayDataLimit": cfg.relay_data_limit, "relayTimeLimit": f"{round(cfg.relay_time_limit * 1000)}ms"}
     try:
-        dht = DHT(start=True, await_ready=False, **kwargs)
+        dht = DHT(start=True, await_ready=False, p2pd_flags=flags, **kwargs)
         dht.wait_until_ready(timeout=cfg.join_timeout + 5)
     except TimeoutError:
         dht.shutdown()

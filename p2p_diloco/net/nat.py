@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
@@ -70,14 +70,14 @@ def join(cfg: NetworkConfig, payload_bytes: int, log: logging.Logger = logger) -
 def findings(cfg: NetworkConfig, status, relay, payload_bytes: int) -> Findings:
     """What ``choose_mode`` decides on, from the config and what was found."""
     return Findings(setting=cfg.reachability, client_mode=cfg.client_mode, nat_status=status,
-                    public_address=any(map(is_public_ip, _hosts([*cfg.announce_maddrs, *cfg.host_maddrs]))),
-                    public_network=any(map(is_public_ip, _hosts(cfg.initial_peers))), relay=relay,
-                    payload_bytes=payload_bytes)
+                    public_address=_any_public([*cfg.announce_maddrs, *cfg.host_maddrs]),
+                    public_network=_any_public(cfg.initial_peers), relay=relay, payload_bytes=payload_bytes)
 
 
-def _hosts(maddrs) -> list[str]:
-    """The IP of each /ip4/ or /ip6/ multiaddr."""
-    return [m.split("/")[2] for m in maddrs if m.startswith(("/ip4/", "/ip6/")) and m.count("/") >= 2]
+def _any_public(maddrs) -> bool:
+    """True if one of these multiaddrs has a public IP or a DNS name (libp2p counts names as public)."""
+    return any(m.startswith(("/dns", "/dnsaddr")) or (m.startswith(("/ip4/", "/ip6/")) and m.count("/") >= 2
+                                                       and is_public_ip(m.split("/")[2])) for m in maddrs)
 
 
 # ---------------------------------------------------------------------------------------------- relays
@@ -208,11 +208,13 @@ class _OwnRelayQuery:
         self.timeout = timeout
 
     async def __call__(self, _dht, node):
-        maddrs = await node.get_visible_maddrs(latest=True)
+        visible = [str(m).split("/p2p/")[0] for m in await node.get_visible_maddrs(latest=True)]
+        # its own port on loopback too: announced public addresses may not loop back (cloud NAT)
+        local = [f"/ip4/127.0.0.1/tcp/{m.split('/tcp/')[1].split('/')[0]}" for m in visible if "/tcp/" in m]
         helper = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], dht_mode="client", auto_nat=False)
         try:
-            await asyncio.wait_for(helper._client.connect(node.peer_id, [Multiaddr(str(m).split("/p2p/")[0]) for m in maddrs]),
-                                   self.timeout)
+            addresses = [Multiaddr(m) for m in dict.fromkeys(local + visible)]
+            await asyncio.wait_for(helper._client.connect(node.peer_id, addresses), self.timeout)
             return await asyncio.wait_for(reserve(helper, node.peer_id), self.timeout)
         except Exception as e:
             logger.warning(f"could not check this node's relay: {e!r}")
