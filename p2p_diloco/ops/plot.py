@@ -81,8 +81,9 @@ def _loss(plt, peers: dict[str, list[dict]], t0: float):
     fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharey="row")
     for name, records in peers.items():
         train, evals, tokens = [], [], 0
+        joined = any(r.get("event") == "join" for r in records)  # its initial θ_global was never the run's
         for r in records:
-            if r.get("event") == "start" and _finite(r.get("eval/loss")):
+            if r.get("event") == "start" and _finite(r.get("eval/loss")) and not joined:
                 evals.append((tokens, r["time"] - t0, r["eval/loss"]))
             if r.get("event") != "round":
                 continue
@@ -131,7 +132,8 @@ def _segments(r: dict, t0: float) -> list[tuple[float, float, int]]:
 def _timeline(plt, peers: dict[str, list[dict]], t0: float):
     from matplotlib.patches import Patch
 
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.55 * len(peers)))
+    height = 1.2 + 0.55 * len(peers)
+    fig, ax = plt.subplots(figsize=(12, height))
     names = list(peers)
     for y, name in enumerate(names):
         for r in _rounds_of(peers[name]):
@@ -147,7 +149,8 @@ def _timeline(plt, peers: dict[str, list[dict]], t0: float):
     handles = [Patch(color=color, label=label) for label, color in PHASES]
     handles += [Patch(facecolor="white", edgecolor="gray", hatch="///", label="not committed"),
                 Patch(color="black", label="state download")]
-    ax.legend(handles=handles, ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.1 / len(peers)))
+    # about 0.55 inch below the axes, whatever the figure's height: under the x label
+    ax.legend(handles=handles, ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.55 / (height - 0.9)))
     ax.set_title("Rounds of every peer")
     ax.grid(axis="x", alpha=0.3)
     return fig
