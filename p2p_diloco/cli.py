@@ -105,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir", metavar="RUN_DIR", help="a peer's run folder, or a swarm's (its peers' folders inside)")
     e.add_argument("out", metavar="OUT", help="folder to write (must not exist, or be empty)")
     e.add_argument("--round", type=int, default=None,
-                   help="an earlier round, from the peers' exports (run.export_every); default: the latest checkpoint")
+                   help="that round, from a checkpoint at it or a peer's export (run.export_every); default: the "
+                        "latest round saved")
 
     g = command("generate", "Print sampled continuations of a prompt from θ_global of a run or an exported folder.",
                 _cmd_generate, [])
@@ -208,15 +209,10 @@ def _cmd_generate(args, overrides: dict[str, str]) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
     if args.temperature <= 0:
         raise ConfigError(f"--temperature: must be > 0, got {args.temperature}")
-    from p2p_diloco.errors import printable
-    from p2p_diloco.ops.generate import load_generator, sample
-    from p2p_diloco.train.inner import resolve_device
+    from p2p_diloco.ops.generate import run_generate
 
-    gen = load_generator(args.run_dir, resolve_device(args.device))
-    texts = sample(gen, args.prompt, args.samples, args.max_new_tokens, args.temperature, args.top_k, args.seed)
-    print(f"{gen.source}; temperature {args.temperature}, top-k {args.top_k}, seed {args.seed}")
-    for i, text in enumerate(texts, 1):
-        print(f"--- sample {i}\n{printable(args.prompt + text)}")
+    run_generate(args.run_dir, args.prompt, args.samples, args.max_new_tokens, args.temperature, args.top_k,
+                 args.seed, args.device, echo=print)
     return 0
 
 

@@ -152,16 +152,12 @@ def run_index_key(run_id: str) -> str:
     return f"{safe_run_id(run_id)}.runs"
 
 
-def publish_run_index(dht: hivemind.DHT, run_id: str, prefix: str, fingerprint: str, ttl: float,
-                      timeout: float) -> bool:
-    """Announce that ``prefix`` belongs to ``run_id`` for ``ttl`` seconds; False if not confirmed in time."""
-    future = dht.store(run_index_key(run_id), subkey=prefix, value={"fingerprint": fingerprint},
-                       expiration_time=get_dht_time() + ttl, return_future=True)
-    try:
-        return bool(future.result(timeout=timeout))
-    except Exception as e:  # like the roster: the next heartbeat refreshes it
-        logger.debug(f"publishing the run index failed: {e!r}")
-        return False
+def publish_run_index(dht: hivemind.DHT, run_id: str, prefix: str, fingerprint: str, ttl: float) -> None:
+    """Announce that ``prefix`` belongs to ``run_id`` for ``ttl`` seconds, without waiting for the store: the
+    roster heartbeat that calls this must stay on time (a late heartbeat lets a live peer's entry expire), and
+    a lost announcement only hides the run from ``status`` until the next heartbeat."""
+    dht.store(run_index_key(run_id), subkey=prefix, value={"fingerprint": fingerprint},
+              expiration_time=get_dht_time() + ttl, return_future=True)  # the future is dropped: nobody waits
 
 
 def read_run_index(dht: hivemind.DHT, run_id: str, timeout: float) -> list[str]:

@@ -64,7 +64,7 @@ class Membership:
     def announce_run(self) -> None:
         """Keep this prefix in the run index (for ``p2p-diloco status``), for one roster TTL."""
         publish_run_index(self.dht, self.cfg.run.run_id, self.prefix, self.fingerprint,
-                          ttl=self.cfg.averaging.roster_ttl, timeout=self.cfg.averaging.request_timeout)
+                          ttl=self.cfg.averaging.roster_ttl)
 
     def enter(self) -> None:
         """Appear in the roster and the run index, serve our state, and keep both fresh until :meth:`leave`."""

@@ -199,7 +199,10 @@ def _global_model(path: Path, saved: dict) -> GlobalModel:
     from p2p_diloco.train.outer import load_into
     from p2p_diloco.train.tokenizers import load_tokenizer
 
-    cfg = config_from_dict(saved["config"])
+    try:
+        cfg = config_from_dict(saved["config"])
+    except ConfigError as e:  # a checkpoint of another version of this program
+        raise ConfigError(f"{path}: its config does not load here: {e}") from None
     with quiet_transformers():
         model = build_model(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size, cfg.run.seed)
     params = saved["global_params"]

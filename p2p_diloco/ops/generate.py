@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from p2p_diloco.config import ConfigError
-from p2p_diloco.errors import first_line
+from p2p_diloco.errors import first_line, printable
 from p2p_diloco.ops.export import INFO_FILE, hf_tokenizer, load_global, quiet_transformers
 
 SAMPLE_TOKENS = 100
@@ -49,6 +49,18 @@ def _load_exported(path: Path, device: str) -> Generator:
         raise ConfigError(f"{path}: not a loadable Hugging Face folder: {first_line(e)}") from None
     info = json.loads((path / INFO_FILE).read_text()) if (path / INFO_FILE).is_file() else {}
     return Generator(model, tokenizer, f"{path}" + (f" (round {info['round']})" if "round" in info else ""))
+
+
+def run_generate(path: str | os.PathLike, prompt: str, samples: int, max_new_tokens: int, temperature: float,
+                 top_k: int, seed: int, device: str = "cpu", echo=print) -> None:
+    """``p2p-diloco generate``: a header naming the model, then every sample (prompt included), terminal-safe."""
+    from p2p_diloco.train.inner import resolve_device
+
+    gen = load_generator(path, resolve_device(device))
+    texts = sample(gen, prompt, samples, max_new_tokens, temperature, top_k, seed)
+    echo(f"{gen.source}; temperature {temperature}, top-k {top_k}, seed {seed}")
+    for i, text in enumerate(texts, 1):
+        echo(f"--- sample {i}\n{printable(prompt + text)}")
 
 
 @torch.no_grad()

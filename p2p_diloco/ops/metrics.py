@@ -96,7 +96,7 @@ class WandbSink(MetricsSink):
 
         settings = wandb.Settings(console="off", quiet=True, disable_git=True, save_code=False)
         self.run = wandb.init(project=project, mode=mode, dir=str(run_dir), name=name, group=group,
-                              config=config or {}, settings=settings, reinit="create_new")
+                              config=config or {}, settings=settings)
         self.run.define_metric("round")
         self.run.define_metric("*", step_metric="round")
 

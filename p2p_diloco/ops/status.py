@@ -94,8 +94,8 @@ def run_status(cfg: Config, watch: Optional[float], as_json: bool, stop: threadi
         while True:
             view = read_status(dht, cfg.run.run_id, cfg.averaging.request_timeout)
             text = json.dumps(view) if as_json else render(view)
-            if watch and not as_json and sys.stdout.isatty():
-                text = CLEAR_SCREEN + text
+            if watch and not as_json:  # a terminal shows the latest view only; a file or pipe gets them all
+                text = CLEAR_SCREEN + text if sys.stdout.isatty() else text + "\n"
             echo(text)
             if not watch or stop.wait(watch):
                 return 0
