@@ -42,6 +42,7 @@ class Membership:
         self._closed = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
         self._last_reconnect = 0.0
+        self._saw_others = False  # after an outage (not at start), reconnecting is worth a log line
         # what we report about our work in the roster (PeerStatus fields of the same names); the peer updates it
         self.work = {"tokens_per_s": 0.0, "tokens_trained": 0, "last_allreduce_s": 0.0, "last_bytes": 0}
 
@@ -67,8 +68,10 @@ class Membership:
         if alone and self.cfg.network.initial_peers and self._may_reconnect():
             answered = reconnect(self.dht, self.cfg.network.initial_peers, self.cfg.averaging.request_timeout)
             if answered:
-                self.log.info(f"no other peer in the roster: reached {answered} initial peer(s) again")
+                (self.log.info if self._saw_others else self.log.debug)(
+                    f"no other peer in the roster: reached {answered} initial peer(s) again")
                 roster = read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+        self._saw_others = self._saw_others or not alone
         return roster
 
     def _may_reconnect(self) -> bool:
