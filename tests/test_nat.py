@@ -4,6 +4,7 @@ the bootstrap node is the run's relay. Skipped only where namespaces or nftables
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -91,8 +92,10 @@ def test_home_peers_behind_nat_train_survive_a_router_failure_and_continue_throu
     """(a) a public peer and three homes behind three NATs train with equal θ_global digests; (d) reachability=auto
     finds the public peer public and the homes unreachable but relayed; (c) home2's router goes down while its
     all-reduce is in flight: the others commit nothing that round, carry on and agree; when its router is back,
-    home2 repairs itself from them; (b) the public peer leaves: the homes train on through the bootstrap's relay."""
-    rounds = 10
+    home2 repairs itself from them; (b) the public peer leaves: the homes train on through the bootstrap's relay.
+    Meanwhile ``p2p-diloco doctor``, run from a fourth home, reports what it finds, one verdict per line."""
+    rounds = 12
+    doctor = None
     with Internet() as net:
         swarm = LabSwarm(tmp_path, net, rounds, expected_peers=4)
         try:
@@ -101,20 +104,24 @@ def test_home_peers_behind_nat_train_survive_a_router_failure_and_continue_throu
             for name in ("home0", "home1"):
                 swarm.start_peer(name, home=True)
             swarm.start_peer("home2", "--fault.inject=hold:allreduce:4", home=True)
+            doctor = _start_doctor(net, swarm.initial_peer, tmp_path)
             hold = tmp_path / "home2" / HOLD_FILE
             _wait(hold.exists, 240, "home2 to reach its all-reduce of round 4", swarm)
             net.router_down("home2")  # mid all-reduce: its packets now vanish, no FIN, no RST
             hold.unlink()
             _wait(lambda: not all(r["committed"] for r in swarm.records("pub0")), 60, "the failed round", swarm)
             net.router_up("home2")
-            _wait(lambda: _repairs(tmp_path / "home2"), 90, "home2 to repair itself", swarm)
             swarm.swarm.peers["pub0"].proc.send_signal(signal.SIGTERM)  # leaves after the round under way
             _wait(lambda: not any(swarm.running(n) for n in ("home0", "home1", "home2")), 150, "the homes", swarm)
             committed = swarm.committed()
             modes = {name: _mode(swarm, name) for name in ("pub0", "home0", "home1", "home2")}
-            records = {name: swarm.records(name) for name in ("pub0", "home0", "home1", "home2")}
+            records = {name: swarm.records(name) for name in ("pub0", "home0", "home1")}
             repairs = _repairs(tmp_path / "home2")
+            report = doctor.communicate(timeout=60)[0]
         finally:
+            if doctor is not None and doctor.poll() is None:
+                os.killpg(doctor.pid, signal.SIGKILL)
+                doctor.wait()
             swarm.close()
     assert modes == {"pub0": "public", "home0": "relayed", "home1": "relayed", "home2": "relayed"}  # (d)
     for number in (1, 2, 3):  # (a)
@@ -126,26 +133,31 @@ def test_home_peers_behind_nat_train_survive_a_router_failure_and_continue_throu
     for name in survivors:  # (c): the attempt home2 was cut off in: nobody committed it, θ_global untouched
         failed = next(r for r in records[name] if not r["committed"])
         assert failed["round"] == 3 and failed["global_params_sha256"] == committed[3][name]["global_params_sha256"]
-    assert set(committed[4]) >= set(survivors)  # ... then they carried on without home2
+    assert {"home0", "home1"} <= set(committed[4]) and "home2" not in committed[4]  # they carried on without it
     # home2 may have received every part before its link died (it then committed its own round 4, alone): back
     # online, it is behind the run, repairs from a peer holding the run's state, and agrees from then on
-    assert repairs[0]["round"] >= 4, repairs
+    assert repairs and repairs[0]["round"] >= 4, repairs
     for number in range(repairs[0]["round"] + 1, rounds + 1):
-        assert "home2" in committed[number] and len({r["global_params_sha256"] for r in committed[number].values()}) == 1
+        assert len({r["global_params_sha256"] for r in committed[number].values()}) == 1, committed[number]
+    assert "home2" in committed[rounds]
     last_public = max(n for n in committed if "pub0" in committed[n])
     assert rounds - last_public >= 3
     for number in range(last_public + 1, rounds + 1):  # (b): no public peer left, only the relay
-        assert set(committed[number]) == {"home0", "home1", "home2"}, committed[number].keys()
+        assert len(committed[number]) >= 2 and set(committed[number]) <= {"home0", "home1", "home2"}
+    assert doctor.returncode == 0, report
+    for expected in ("[ OK ] initial peers: 1 of 1 answered", "[ OK ] clock offset", "[WARN] reachable from outside: "
+                     "no", "[ OK ] relay: reserved at", "30 min and carries 4 GiB", "take part as relayed",
+                     "[ OK ] /dev/shm"):
+        assert expected in report, report
+    up, down = (float(x) for x in re.search(r"up ([\d.]+) Mbit/s, down ([\d.]+) Mbit/s", report).groups())
+    assert up < 25 < down, report  # the 20/100 Mbit/s link, measured
 
 
-
-
-@pytest.mark.timeout(240)
-def test_home_peers_without_a_usable_relay_say_why_no_group_can_form_and_doctor_reports(tmp_path, process_tag):
+@pytest.mark.timeout(180)
+def test_home_peers_without_a_usable_relay_say_why_no_group_can_form(tmp_path, process_tag):
     """A bootstrap node that is not told it is public keeps p2pd's default relay (128 KiB per relayed connection):
     two homes behind NAT find it too small, fall back to client mode (d), and, with nobody able to accept
-    connections, say in one line per round why no group can form and what fixes it. ``p2p-diloco doctor``, run
-    from a third home, reports each of these findings with its verdict."""
+    connections, say in one line per round why no group can form and what fixes it."""
     with Internet() as net:
         swarm = LabSwarm(tmp_path, net, rounds=3, expected_peers=2, **{"averaging.matchmaking_time": 2.0,
                                                                        "averaging.request_timeout": 1.5})
@@ -153,13 +165,8 @@ def test_home_peers_without_a_usable_relay_say_why_no_group_can_form_and_doctor_
             swarm.start_bootstrap("--network.reachability=auto")
             for name in ("home0", "home1"):
                 swarm.start_peer(name, "--network.reachability=private", home=True)
-            doctor_host = net.add_home("doctor")
-            net.shape("doctor", down_mbit=100, up_mbit=20)
-            doctor = subprocess.run([*doctor_host.exec_prefix, sys.executable, "-m", "p2p_diloco", "doctor",
-                                     "--initial-peers", swarm.initial_peer], capture_output=True, text=True,
-                                    timeout=150)
             explained = lambda n: [r for r in swarm.records(n) if (r["error"] or "").startswith("no group can form")]
-            _wait(lambda: all(len(explained(n)) >= 2 for n in ("home0", "home1")), 90, "two explanations", swarm)
+            _wait(lambda: all(len(explained(n)) >= 2 for n in ("home0", "home1")), 120, "two explanations", swarm)
             logs = {name: swarm.log(name) for name in ("home0", "home1")}
             records = {name: swarm.records(name) for name in ("home0", "home1")}
         finally:
@@ -169,10 +176,11 @@ def test_home_peers_without_a_usable_relay_say_why_no_group_can_form_and_doctor_
         lines = [line for line in log.splitlines() if "no group can form" in line]
         assert len(lines) >= 2 and all("not committed" in line and "Fix: forward a TCP port" in line for line in lines)
         assert not any(r["committed"] for r in records[name])
-    report = doctor.stdout
-    assert doctor.returncode == 0, doctor.stdout + doctor.stderr[-3000:]
-    for expected in ("[ OK ] initial peers: 1 of 1 answered", "[ OK ] clock offset", "[WARN] reachable from "
-                     "outside: no", "[WARN] relay: reserved at", "128 KiB", "take part as client", "[ OK ] /dev/shm"):
-        assert expected in report, report
-    up, down = (float(x) for x in re.search(r"up ([\d.]+) Mbit/s, down ([\d.]+) Mbit/s", report).groups())
-    assert up < 25 < down, report  # the 20/100 Mbit/s link, measured
+
+
+def _start_doctor(net: Internet, initial_peer: str, tmp_path: Path) -> subprocess.Popen:
+    host = net.add_home("doctor")
+    net.shape("doctor", down_mbit=100, up_mbit=20)
+    return subprocess.Popen([*host.exec_prefix, sys.executable, "-m", "p2p_diloco", "doctor", "--initial-peers",
+                             initial_peer, f"--run.run_dir={tmp_path / 'doctor'}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
