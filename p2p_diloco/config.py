@@ -139,7 +139,9 @@ class NetworkConfig:
                            "check (a bootstrap node also serves as a relay); private: behind NAT, skip the check",
                            choices=("auto", "public", "private"))
     trusted_relays: list[str] = _f([], "multiaddrs of relays to reserve a slot at when others cannot dial this node "
-                                   "(a p2p-diloco bootstrap node on a public host is one); empty: the initial peers")
+                                   "(a p2p-diloco bootstrap node on a public host is one); empty: the initial peers",
+                                   check=lambda maddrs: all(m.startswith("/") and "/p2p/" in m for m in maddrs),
+                                   rule="expected multiaddrs with a peer id, e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
     reachability_timeout: float = _f(40.0, "how long reachability=auto waits for AutoNAT's verdict (p2pd asks "
                                      "peers to dial back 15 s after start)", "s", _positive, "must be > 0")
     relay_data_limit: int = _f(1 << 32, "a relayed connection through this node is reset after carrying this many "

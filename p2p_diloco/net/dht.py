@@ -17,7 +17,6 @@ import asyncio
 import logging
 import os
 import re
-import time
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Optional, Sequence
@@ -69,14 +68,15 @@ def safe_run_id(run_id: str) -> str:
 #    (go-libp2p's bootDelay) before it reserves a slot; with static relays it reserves once AutoNAT says "private";
 #  * AutoNAT's verdict ("NAT status is public|private", logged at debug level by the autonat subsystem) is kept for
 #    nat_status(): p2pd exposes it in no other way.
-_NAT_STATUS: dict = {"status": None, "since": None}
+_NAT_STATUS: dict = {"status": None}
 _NAT_CHANGED: Optional[asyncio.Event] = None
 
 
 def _configure_p2pd(flags: dict) -> None:
     from hivemind.utils.logging import loglevel, python_level_to_golog
 
-    os.environ["GOLOG_LOG_LEVEL"] = f"{python_level_to_golog(loglevel)},autonat=debug"
+    level = os.environ.get("GOLOG_LOG_LEVEL") or python_level_to_golog(loglevel)  # a user's setting, if any
+    os.environ["GOLOG_LOG_LEVEL"] = f"{level},autonat=debug"
     make_args, log_line = P2P._make_process_args, P2P._log_p2pd_message
 
     def make_process_args(*args, **kwargs):
@@ -87,7 +87,7 @@ def _configure_p2pd(flags: dict) -> None:
     def log_p2pd_message(line: str) -> None:
         match = re.search(r"NAT status is (public|private|unknown)", line)
         if match:
-            _NAT_STATUS.update(status=match.group(1), since=time.time())
+            _NAT_STATUS["status"] = match.group(1)
             if _NAT_CHANGED is not None:
                 _NAT_CHANGED.set()
         log_line(line)
