@@ -25,6 +25,7 @@ class PeerStatus:
     tokens_trained: int = 0         # tokens of inner steps this peer has trained in the run (all rounds)
     last_allreduce_s: float = 0.0   # its last averaging attempt, matchmaking included
     last_bytes: int = 0             # bytes it sent and received in that attempt
+    steps_per_s: float = 0.0        # inner steps per second over its recent rounds (DyLU plans from it; 0: unknown)
 
 
 @dataclass

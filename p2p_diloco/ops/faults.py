@@ -2,7 +2,8 @@
 
 ``--fault.inject=kill:allreduce:3`` makes the peer SIGKILL itself while its reducer streams results in round 3;
 ``stall:...`` freezes the peer's whole process group with SIGSTOP instead (a frozen machine: no FIN, no RST), which
-only timeouts can detect. Phases:
+only timeouts can detect (the local swarm can thaw it with SIGCONT); ``term:...`` sends the peer SIGTERM, a graceful
+stop at that moment (it saves a checkpoint holding its unfinished round's work). Phases:
   * ``inner``        halfway through the round's inner steps
   * ``matchmaking``  once the averager is looking for a group
   * ``allreduce``    after the reducer has streamed its first averaged part (parts still in flight)
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 PHASES = ("inner", "matchmaking", "allreduce", "serving")
-ACTIONS = ("kill", "stall")
+ACTIONS = ("kill", "stall", "term")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class Fault:
         """Kill or freeze the peer now. Does not return when it kills."""
         if self.action == "stall":
             os.killpg(os.getpgid(self.main_pid), signal.SIGSTOP)
+            return
+        if self.action == "term":
+            os.kill(self.main_pid, signal.SIGTERM)
             return
         os.kill(self.main_pid, signal.SIGKILL)
         os._exit(137)  # when called from a helper process (averager), vanish at once too
