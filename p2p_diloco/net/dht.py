@@ -8,10 +8,14 @@ Keys under the run's prefix ``{safe_run_id}_{fingerprint}``, so runs and model s
   * ``{prefix}.finished``        peers that left after training all of ``run.rounds``: subkey peer id, value
                                  ``{"name": str, "round": int}``, kept an hour so that a peer finishing later (its
                                  roster alone, the leavers' entries expired) learns that the run is over
-Run-level keys (``{safe_run_id}``: the run id with characters other than ``[A-Za-z0-9_-]`` replaced by ``_``):
-  * ``{safe_run_id}.config``     the run's shared settings, one subkey per peer id, value ``{"settings": {"section.key":
+
+Run-level keys (``{safe_run_id}``: the run_id with characters other than letters, digits, ``_`` and ``-`` as ``_``):
+  * ``{safe_run_id}.runs``       index of the run's prefixes: subkey = prefix, value = {"fingerprint": ...},
+                                 refreshed with the roster heartbeat, so ``p2p-diloco status`` finds every
+                                 prefix of a run knowing only its run_id
+  * ``{safe_run_id}.config``     the run's shared settings: subkey = peer id, value ``{"settings": {"section.key":
                                  value}, "fingerprint": str}``, refreshed with the roster heartbeat; read by joiners
-                                 (net/run_settings.py)
+                                 to adopt them or be refused on a mismatch (net/run_settings.py)
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class DHT(hivemind.DHT):
 
 
 def safe_run_id(run_id: str) -> str:
+    """``run_id`` with every character other than letters, digits, ``_`` and ``-`` replaced by ``_``."""
     return re.sub(r"[^A-Za-z0-9_-]", "_", run_id)
 
 
@@ -147,6 +152,34 @@ def read_roster(dht: hivemind.DHT, prefix: str, timeout: float) -> list[PeerStat
     return roster
 
 
+# ---------------------------------------------------------------------------------------------- the run index
+# {safe_run_id}.runs: one subkey per prefix of the run, value = {"fingerprint": ...}, expiring unless refreshed.
+
+def run_index_key(run_id: str) -> str:
+    return f"{safe_run_id(run_id)}.runs"
+
+
+def publish_run_index(dht: hivemind.DHT, run_id: str, prefix: str, fingerprint: str, ttl: float) -> None:
+    """Announce that ``prefix`` belongs to ``run_id`` for ``ttl`` seconds, without waiting for the store: the
+    roster heartbeat that calls this must stay on time (a late heartbeat lets a live peer's entry expire), and
+    a lost announcement only hides the run from ``status`` until the next heartbeat."""
+    dht.store(run_index_key(run_id), subkey=prefix, value={"fingerprint": fingerprint},
+              expiration_time=get_dht_time() + ttl, return_future=True)  # the future is dropped: nobody waits
+
+
+def read_run_index(dht: hivemind.DHT, run_id: str, timeout: float) -> list[str]:
+    """The prefixes of ``run_id`` announced within the roster TTL, sorted; [] if none or the DHT does not answer."""
+    future = dht.get(run_index_key(run_id), latest=True, return_future=True)
+    try:
+        found = future.result(timeout=timeout)
+    except Exception as e:
+        logger.debug(f"reading the run index failed: {e!r}")
+        return []
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return sorted(str(prefix) for prefix in found.value)
+
+
 # ---------------------------------------------------------------------------------------------- run settings
 # {safe_run_id}.config: one subkey per peer id, value = {"settings": {...}, "fingerprint": str}, expiring unless
 # refreshed (heartbeat).
@@ -156,16 +189,11 @@ def run_settings_key(run_id: str) -> str:
 
 
 def publish_run_settings(dht: hivemind.DHT, run_id: str, peer_id: str, settings: dict, fingerprint: str,
-                         ttl: float, timeout: float) -> bool:
-    """Store the run settings this peer trains with for ``ttl`` seconds; False if not confirmed within ``timeout``."""
-    future = dht.store(run_settings_key(run_id), subkey=peer_id,
-                       value={"settings": settings, "fingerprint": fingerprint},
-                       expiration_time=get_dht_time() + ttl, return_future=True)
-    try:
-        return bool(future.result(timeout=timeout))
-    except Exception as e:  # refreshed by the next heartbeat
-        logger.debug(f"publishing run settings failed: {e!r}")
-        return False
+                         ttl: float) -> None:
+    """Publish the run settings this peer trains with for ``ttl`` seconds, without waiting for the store (as the
+    run index: the heartbeat that calls this must stay on time; a lost store is redone by the next heartbeat)."""
+    dht.store(run_settings_key(run_id), subkey=peer_id, value={"settings": settings, "fingerprint": fingerprint},
+              expiration_time=get_dht_time() + ttl, return_future=True)  # the future is dropped: nobody waits
 
 
 def read_run_settings(dht: hivemind.DHT, run_id: str, timeout: float) -> list[dict]:
