@@ -36,7 +36,7 @@ from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.ops.faults import parse_fault
 from p2p_diloco.ops.metrics import MetricsSink, build_sink
 from p2p_diloco.train.data import build_data
-from p2p_diloco.train.dylu import PROBE_STEPS, PaceMeter, planned_steps, schedule_position
+from p2p_diloco.train.dylu import PROBE_STEPS, PaceMeter, RoundPlan, plan_round, schedule_position
 from p2p_diloco.train.global_state import GlobalState
 from p2p_diloco.train.inner import (InnerTrainer, RoundSteps, evaluate, progress_bar, resolve_device,
                                     schedule_total_steps)
@@ -158,7 +158,7 @@ class Peer:
             live = [s for s in roster if not s.leaving]
             self._catch_up(live)
             started = time.perf_counter()
-            train_loss, tokens, steps = self._inner_steps(live)
+            train_loss, tokens, steps = self._inner_steps(live, begun)
             if self.stop_event.is_set():
                 break
             inner_done = time.perf_counter()
@@ -228,20 +228,21 @@ class Peer:
                       f"{self.round}'s θ_global (staleness {self.round - work_round})")
 
     # ------------------------------------------------------------------------------------------------ inner steps
-    def _inner_steps(self, live_roster) -> tuple[float, int, int]:
-        """This round's inner steps on θ_local; returns (mean loss, tokens, steps). DyLU: as many as our measured
-        speed allows next to the fastest live peer; with no measurement yet, a few timed steps come first. Stops
-        early, between steps, if asked to."""
+    def _inner_steps(self, live_roster, round_start: float) -> tuple[float, int, int]:
+        """This round's inner steps on θ_local; returns (mean loss, tokens, steps). DyLU: about as many as our
+        measured speed allows next to the fastest live peer's, within the round's time budget (train/dylu.py); with no
+        measurement yet, a few timed steps come first. Stops early, between steps, if asked to."""
         H = self.cfg.diloco.inner_steps
         work = RoundSteps(progress_bar(H, f"{self.name} r{self.round + 1}", self.cfg.run.progress))
         if self._dylu and not self.pace.measured:  # a new peer: its own short measurement, counted as training
-            self._train(min(PROBE_STEPS, H), H, work)
+            self._train(RoundPlan(min(PROBE_STEPS, H)), H, work)
             self._report_pace(work.probe_rate())
             live_roster = self._live_roster()  # the others' speeds, as of now
         others = [s.steps_per_s for s in live_roster if s.peer_id != self.peer_id]
-        steps = planned_steps(self.pace.steps_per_s or None, others, H, self.cfg.diloco.min_inner_steps, self._dylu)
-        work.plan(steps)
-        self._train(steps - work.steps, steps, work)
+        plan = plan_round(self.pace.steps_per_s, others, H, self.cfg.diloco.min_inner_steps, self._dylu,
+                          round_start)
+        work.plan(plan.steps)
+        self._train(plan, plan.steps, work)
         work.close()
         self.tokens_since_commit += work.tokens
         self.pace.add(work.steps, work.tokens, work.seconds)
@@ -251,13 +252,12 @@ class Peer:
     def _dylu(self) -> bool:
         return self.cfg.diloco.dylu and self.membership is not None
 
-    def _train(self, n: int, planned: int, work: RoundSteps) -> None:
-        """``n`` inner steps of a round of ``planned``, slowed down by ``fault.slowdown`` (sleeping after each)."""
+    def _train(self, plan: RoundPlan, planned: int, work: RoundSteps) -> None:
+        """Inner steps while ``plan`` asks for more (a round of about ``planned``), each slowed down by
+        ``fault.slowdown`` (sleeping after it)."""
         slowdown = self.cfg.fault.slowdown
         strike_at = max(planned // 2, work.steps)
-        for _ in range(n):
-            if self.stop_event.is_set():
-                break
+        while not self.stop_event.is_set() and plan.more(work.steps, time.perf_counter(), work.last_step_s):
             if self.fault is not None and work.steps == strike_at and self.fault.due("inner", self.round + 1):
                 self.fault.strike()
             t0 = time.perf_counter()
@@ -269,7 +269,7 @@ class Peer:
     def _schedule_step(self, step_in_round: int, planned: int) -> Optional[float]:
         if self.cfg.inner.lr_clock == "steps":
             return None  # InnerTrainer counts our own steps
-        return schedule_position(self.round, step_in_round, planned, self.cfg.diloco.inner_steps)
+        return schedule_position(self.round, min(step_in_round, planned), planned, self.cfg.diloco.inner_steps)
 
     def _report_pace(self, probe_rate: Optional[tuple[int, int, float]]) -> None:
         if probe_rate is not None:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from p2p_diloco.train.dylu import PaceMeter, local_steps, planned_steps, schedule_position
+from p2p_diloco.train.dylu import PaceMeter, RoundPlan, local_steps, plan_round, schedule_position
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -32,9 +32,23 @@ def test_min_inner_steps_bounds_a_peer_that_publishes_an_absurd_speed():
 def test_unmeasured_or_broken_speeds_are_ignored():
     assert local_steps(2.0, [0.0, -1.0, math.nan, math.inf], 40, 1) == 40  # nobody else measured yet
     assert local_steps(0.0, [5.0], 40, 1) == 40  # our own speed unknown: plain H (the probe comes first)
-    assert planned_steps(None, [5.0], 40, 1, dylu=True) == 40
-    assert planned_steps(1.0, [5.0], 40, 1, dylu=False) == 40
-    assert planned_steps(1.0, [5.0], 40, 1, dylu=True) == 8
+    assert plan_round(None, [5.0], 40, 1, dylu=True, round_start=0.0) == RoundPlan(40)
+    assert plan_round(1.0, [5.0], 40, 1, dylu=False, round_start=0.0) == RoundPlan(40)
+
+
+def test_a_round_has_the_fastest_peers_time_budget_so_this_rounds_speed_changes_steps_not_the_end():
+    fast = plan_round(5.0, [1.0], 40, 2, dylu=True, round_start=100.0)
+    slow = plan_round(1.0, [5.0], 40, 2, dylu=True, round_start=100.0)
+    assert (fast.steps, slow.steps) == (40, 8) and fast.deadline == slow.deadline == 108.0  # H / v_max = 8 s
+    # the slow peer at its usual 1 s per step: its 8th step ends at the deadline, no 9th
+    assert slow.more(7, 107.0, 1.0) and not slow.more(8, 108.0, 1.0)
+    # slower than usual this round (2 s per step): it stops after 4 steps instead of making the others wait
+    assert slow.more(3, 106.0, 2.0) and not slow.more(4, 108.0, 2.0)
+    # faster than usual: it uses the time (bounded by 2 H whatever the clock says)
+    assert slow.more(12, 106.0, 0.5) and not slow.more(80, 100.5, 0.01)
+    assert slow.more(1, 500.0, 1.0) and not slow.more(2, 500.0, 1.0)  # at least min_inner_steps, even late
+    # a plain round (no DyLU): exactly its steps, whatever the clock
+    assert RoundPlan(3).more(2, 1e9, 1.0) and not RoundPlan(3).more(3, 0.0, 0.0)
 
 
 def test_pace_is_the_median_of_recent_rounds_so_one_frozen_round_does_not_dictate():

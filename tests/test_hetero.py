@@ -12,7 +12,7 @@ from p2p_diloco.config import load_config
 from p2p_diloco.ops.metrics import read_jsonl
 from p2p_diloco.ops.swarm import DEMO_DEFAULTS, ChaosPlan, run_swarm, write_peer_config
 
-ROUNDS = 10
+ROUNDS = 7
 
 
 @pytest.mark.timeout(420)
@@ -20,13 +20,13 @@ def test_dylu_and_late_peers_rebase_while_every_round_agrees(tmp_path, process_t
     cfg = load_config(defaults={**DEMO_DEFAULTS, "inner.batch_size": 4, "model.seq_len": 64, "data.eval_batches": 2,
                                 "averaging.matchmaking_time": 5.0, "averaging.next_chunk_timeout": 10.0,
                                 "averaging.roster_ttl": 6.0, "diloco.max_staleness": 10})
-    # peer3 stops gracefully halfway through round 2 (its checkpoint holds half a round of work on round 1's
-    # θ_global); a second process for it, started at launch, resumes from that checkpoint after round 5 (a restart);
-    # peer2 freezes halfway through round 5 and is thawed after round 7
-    plan = ChaosPlan(faults={"peer2": "stall:inner:5", "peer3": "term:inner:2"},
-                     actions=[(5, "restart", "peer3"), (7, "cont", "peer2")])
+    # halfway through round 2, peer2 freezes (SIGSTOP) and peer3 stops gracefully (its checkpoint holds half a
+    # round of work on round 1's θ_global); after round 4 peer2 is thawed, and a second process for peer3, started
+    # at launch, resumes from that checkpoint (a restart)
+    plan = ChaosPlan(faults={"peer2": "stall:inner:2", "peer3": "term:inner:2"},
+                     actions=[(4, "restart", "peer3"), (4, "cont", "peer2")])
     rc = run_swarm(4, ROUNDS, 20, str(tmp_path), write_peer_config(tmp_path, cfg), plan=plan, slowdowns=[1, 3],
-                   timeout=360, echo=print)
+                   timeout=360, echo=lambda s: None)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert rc == 0, _diagnose(tmp_path, summary)
     assert [r["round"] for r in summary["rounds"]] == list(range(1, ROUNDS + 1))
@@ -40,7 +40,7 @@ def test_dylu_and_late_peers_rebase_while_every_round_agrees(tmp_path, process_t
         fast, slow = rounds["peer0"][n]["train/inner_steps"], rounds["peer1"][n]["train/inner_steps"]
         assert slow < fast, f"round {n}: fast peer {fast} steps, slow peer {slow}"
     # the frozen and the restarted peer kept their work: rebased, then contributed it and committed with the run
-    for name, work_round in (("peer2", 4), ("peer3", 1)):
+    for name, work_round in (("peer2", 1), ("peer3", 1)):
         rebases = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if r.get("event") == "rebase"]
         assert rebases and rebases[0]["work_round"] == work_round and rebases[0]["staleness"] >= 2, (name, rebases)
         after = [n for n in rounds[name] if n > rebases[0]["round"]]

@@ -155,7 +155,7 @@ class FakeMembership:
 def _behind_the_run(tmp_path, run_round, members=(), **extra):
     """A peer with one round of local work not yet committed, then told the run is at ``run_round``."""
     peer, _ = _peer(tmp_path, [], rounds=1, **extra)
-    peer._inner_steps([])  # H inner steps: local work on top of θ_global (round 0)
+    peer._inner_steps([], 0.0)  # H inner steps: local work on top of θ_global (round 0)
     old = [p.clone() for p in peer.state.params]
     local = [p.detach().clone() for p in peer.model.parameters()]
     new_state = [t + 0.01 * torch.randn_like(t) for t in peer.state.tensors()]  # the run's θ_global and momentum
@@ -220,7 +220,7 @@ def test_lr_clock_rounds_follows_the_runs_progress_and_slowdown_stretches_steps(
     peer.inner.step = timed
     peer.state.round = 10  # as if the run were at round 10 (H = 3): schedule steps 30, 31, 32
     started = time.perf_counter()
-    peer._inner_steps([])
+    peer._inner_steps([], 0.0)
     wall = time.perf_counter() - started
     assert peer.inner.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 33 / 100)  # the run's step 32
     assert peer.inner.step_count == 3  # while its own count says 3 steps

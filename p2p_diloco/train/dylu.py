@@ -9,7 +9,14 @@ counting when its roster entry expires.
 
 Speeds are steps per second, not tokens per second, because machines of one run may use different micro-batches
 (the number of tokens per step is a machine setting); steps per second is what makes rounds end together.
-No torch, no network.
+
+H_i is what a peer expects to run. Speeds move from round to round (a shared machine, thermal limits, data loading),
+so a plan made from past rounds alone lets the peers that happen to be faster this round wait for the others. A
+round under DyLU therefore also has a time budget, the fastest peer's expected time for H steps, T = H / v_max,
+counted from the start of the round: every peer keeps stepping while its next step ends within it (at least
+``min_inner_steps``; at most 2·H, a bound for clocks gone wrong), so that a peer slower than usual this round ends
+on time with fewer steps and one faster than usual uses the time for more. The fastest peer runs about H. No torch,
+no network.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 PROBE_STEPS = 3  # a peer with no measurement yet times this many steps (training steps) before planning its round
@@ -67,9 +75,32 @@ def schedule_position(round_: int, step_in_round: int, steps_in_round: int, inne
     return round_ * inner_steps + step_in_round * inner_steps / max(1, steps_in_round)
 
 
-def planned_steps(own: Optional[float], live_speeds: Iterable[float], inner_steps: int, min_steps: int,
-                  dylu: bool) -> int:
-    """This round's inner steps: H without DyLU, else :func:`local_steps` (H while our speed is unknown)."""
-    if not dylu or own is None:
-        return inner_steps
-    return local_steps(own, live_speeds, inner_steps, min_steps)
+@dataclass(frozen=True)
+class RoundPlan:
+    """How many inner steps a round runs: ``steps`` (H_i, the expectation), and under DyLU a ``deadline`` (a
+    ``time.perf_counter()`` value) with bounds: step while the next step ends within the deadline, at least
+    ``least`` and at most ``most`` steps."""
+    steps: int
+    deadline: Optional[float] = None
+    least: int = 0
+    most: int = 0
+
+    def more(self, done: int, now: float, last_step_s: float) -> bool:
+        """Whether to run another step, ``done`` steps in, at time ``now``, the last step having taken
+        ``last_step_s`` seconds (the next one is expected to take as long)."""
+        if self.deadline is None:
+            return done < self.steps
+        if done < self.least:
+            return True
+        return done < self.most and now + last_step_s / 2 < self.deadline  # ends nearer the deadline than not
+
+
+def plan_round(own: Optional[float], live_speeds: Iterable[float], inner_steps: int, min_steps: int, dylu: bool,
+               round_start: float) -> RoundPlan:
+    """This round's plan: H steps without DyLU (or while our speed is unknown); with it, H_i of Eq. 6 and the time
+    budget H / v_max from ``round_start`` (see the module's docstring)."""
+    if not dylu or not own or not math.isfinite(own) or own <= 0:
+        return RoundPlan(inner_steps)
+    speeds = [v for v in live_speeds if math.isfinite(v) and v > 0] + [own]
+    steps = local_steps(own, speeds, inner_steps, min_steps)
+    return RoundPlan(steps, round_start + inner_steps / max(speeds), least=min_steps, most=2 * inner_steps)

@@ -169,6 +169,10 @@ class RoundSteps:
         return sum(self.times)
 
     @property
+    def last_step_s(self) -> float:
+        return self.times[-1] if self.times else 0.0
+
+    @property
     def mean_loss(self) -> float:
         return sum(self.losses) / len(self.losses) if self.losses else float("nan")
 
