@@ -74,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
         else:
             p = sub.add_parser(name, help=help_text, description=help_text,
                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                               epilog="config keys (in a TOML file under [section], or as --section.key=value):\n"
+                               epilog="config keys (in a TOML file under [section], or as --section.key=value; "
+                                      "'run setting': every peer of a run holds the same value):\n"
                                       + describe(sections, defaults))
             p.add_argument("--config", metavar="FILE", action="append",
                            help="TOML config file; repeat it to layer files (e.g. a run config, then a machine "

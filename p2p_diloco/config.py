@@ -419,7 +419,8 @@ def parse_overrides(args: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def describe(sections: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None) -> str:
-    """Every key with its type, default (a subcommand's own ``defaults`` included), unit and help, for ``--help``."""
+    """Every key with its type, default (a subcommand's own ``defaults`` included), unit, whether it is a run setting
+    (shared by every peer of a run; the others are machine settings) and help, for ``--help``."""
     lines = []
     defaults = load_config(defaults=defaults)
     for section_name, section_type in SECTIONS.items():
@@ -431,7 +432,8 @@ def describe(sections: Optional[list[str]] = None, defaults: Optional[dict[str, 
             default = getattr(getattr(defaults, section_name), f.name)
             unit = f" [{f.metadata['unit']}]" if f.metadata.get("unit") else ""
             choices = f" (one of: {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
-            lines.append(f"  --{section_name}.{f.name}={_show(default)}  ({_type_name(hints[f.name])}){unit}")
+            scope = "  run setting" if f.metadata.get("shared") else ""
+            lines.append(f"  --{section_name}.{f.name}={_show(default)}  ({_type_name(hints[f.name])}){unit}{scope}")
             lines.append(f"      {f.metadata['help']}{choices}")
     return "\n".join(lines)
 
