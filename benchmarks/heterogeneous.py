@@ -111,7 +111,11 @@ def time_to_loss(points, target: float):
     return next((t for t, _, loss in points if loss <= target), None)
 
 
+STOPPED = []  # set by SIGTERM: the running swarm is ended (run_swarm catches the interrupt) and no other starts
+
+
 def _interrupt(signum, frame):
+    STOPPED.append(signum)
     raise KeyboardInterrupt
 
 
@@ -140,6 +144,8 @@ def main() -> None:
     for rep in range(args.runs):
         for m in methods:
             r = run_once(m, args.rounds if m == "sync" else other_rounds, args.inner_steps)
+            if STOPPED:
+                raise SystemExit("stopped (SIGTERM)")
             runs[m].append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "points"}), flush=True)
     if args.out:

@@ -64,6 +64,8 @@ class Peer:
         self.work_round = 0  # the round of θ_global our uncommitted local work began from (its staleness)
         self.tokens_trained = 0  # tokens of all inner steps this peer has run in this run
         self.pace = PaceMeter()  # our inner-step speed (DyLU)
+        self._group_clock = None  # (when our last committed all-reduce ended, its members' speeds): DyLU's next round
+        self._struck = None  # the round an inner-phase fault struck in
         self.metrics: MetricsSink = MetricsSink()
         self._sampler = None  # ops.generate.Generator over self.model, made at the first text sample
         self.log = logger
@@ -166,8 +168,10 @@ class Peer:
             self._catch_up(live)  # if so, rebase onto it now: our work still enters this round
             caught_up = time.perf_counter()
             result = self._average(len(live))
-            self.averager.observe_round(time.perf_counter() - started)
+            averaged_at = time.perf_counter()
+            self.averager.observe_round(averaged_at - started)
             committed = result.ok and self._commit(result)
+            self._group_clock = (averaged_at, result.speeds) if committed and result.speeds else None
             # wall time of this round by part: sync (roster reads, state repairs), inner steps, and the rest
             # (pseudo-gradient, matchmaking, all-reduce, outer step); evaluation is not counted
             timing = {"time/sync_s": started - begun + caught_up - inner_done, "time/inner_s": inner_done - started,
@@ -238,15 +242,24 @@ class Peer:
             self._train(RoundPlan(min(PROBE_STEPS, H)), H, work)
             self._report_pace(work.probe_rate())
             live_roster = self._live_roster()  # the others' speeds, as of now
-        others = [s.steps_per_s for s in live_roster if s.peer_id != self.peer_id]
-        plan = plan_round(self.pace.steps_per_s, others, H, self.cfg.diloco.min_inner_steps, self._dylu,
-                          round_start)
+        own, others, round_start = self._pace_plan(live_roster, round_start)
+        plan = plan_round(own, others, H, self.cfg.diloco.min_inner_steps, self._dylu, round_start)
         work.plan(plan.steps)
         self._train(plan, plan.steps, work)
+        self._inner_fault(work.steps, 0)  # a round that ended before its halfway step still gets its fault
         work.close()
         self.tokens_since_commit += work.tokens
         self.pace.add(work.steps, work.tokens, work.seconds)
         return work.mean_loss, work.tokens, work.steps
+
+    def _pace_plan(self, live_roster, round_start: float) -> tuple[float, list[float], float]:
+        """(our speed, the others', the round's start) to plan from: after a committed round, what every member of
+        its group knows alike (the speeds announced in it, the moment it ended), so all end the round together; else
+        our measurement, the live roster's and our own round start."""
+        if self._group_clock is not None:
+            averaged_at, speeds = self._group_clock
+            return self._announced_speed or self.pace.steps_per_s, speeds, averaged_at
+        return self.pace.steps_per_s, [s.steps_per_s for s in live_roster if s.peer_id != self.peer_id], round_start
 
     @property
     def _dylu(self) -> bool:
@@ -256,15 +269,21 @@ class Peer:
         """Inner steps while ``plan`` asks for more (a round of about ``planned``), each slowed down by
         ``fault.slowdown`` (sleeping after it)."""
         slowdown = self.cfg.fault.slowdown
-        strike_at = max(planned // 2, work.steps)
         while not self.stop_event.is_set() and plan.more(work.steps, time.perf_counter(), work.last_step_s):
-            if self.fault is not None and work.steps == strike_at and self.fault.due("inner", self.round + 1):
-                self.fault.strike()
+            self._inner_fault(work.steps, planned // 2)
             t0 = time.perf_counter()
             out = self.inner.step(self.data.train.next_batch, self._schedule_step(work.steps, planned))
             if slowdown > 1:
                 self.stop_event.wait((slowdown - 1) * (time.perf_counter() - t0))
             work.add(out.loss, out.tokens, time.perf_counter() - t0)
+
+    def _inner_fault(self, done: int, at: int) -> None:
+        """Fault injection (tests): strike once per round, halfway through its planned inner steps."""
+        if self.fault is None or done < at or self._struck == self.round + 1:
+            return
+        if self.fault.due("inner", self.round + 1):
+            self._struck = self.round + 1
+            self.fault.strike()
 
     def _schedule_step(self, step_in_round: int, planned: int) -> Optional[float]:
         if self.cfg.inner.lr_clock == "steps":
@@ -286,8 +305,9 @@ class Peer:
         with self.averager.pseudo_grads() as buffers:
             pseudo_gradient(self.state.params, self.model.parameters(), buffers)
         weight = self.tokens_since_commit if self.cfg.diloco.weight_by_tokens else 1.0
+        self._announced_speed = self.pace.steps_per_s
         contribution = Contribution(name=self.name, round=self.round, digest=self.state.digest,
-                                    tokens=self.tokens_since_commit)
+                                    tokens=self.tokens_since_commit, steps_per_s=self._announced_speed)
         return self.averager.average(contribution, weight)
 
     def _commit(self, result) -> bool:

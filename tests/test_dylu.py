@@ -42,11 +42,12 @@ def test_a_round_has_the_fastest_peers_time_budget_so_this_rounds_speed_changes_
     assert (fast.steps, slow.steps) == (40, 8) and fast.deadline == slow.deadline == 108.0  # H / v_max = 8 s
     # the slow peer at its usual 1 s per step: its 8th step ends at the deadline, no 9th
     assert slow.more(7, 107.0, 1.0) and not slow.more(8, 108.0, 1.0)
-    # slower than usual this round (2 s per step): it stops after 4 steps instead of making the others wait
-    assert slow.more(3, 106.0, 2.0) and not slow.more(4, 108.0, 2.0)
+    # slower than usual this round (2 s per step): it stops after 4 steps instead of making the others wait, and
+    # never starts a step that would end past the deadline
+    assert slow.more(3, 106.0, 2.0) and not slow.more(4, 106.5, 2.0)
     # faster than usual: it uses the time (bounded by 2 H whatever the clock says)
     assert slow.more(12, 106.0, 0.5) and not slow.more(80, 100.5, 0.01)
-    assert slow.more(1, 500.0, 1.0) and not slow.more(2, 500.0, 1.0)  # at least min_inner_steps, even late
+    assert slow.more(3, 500.0, 1.0) and not slow.more(4, 500.0, 1.0)  # at least half its plan, even late
     # a plain round (no DyLU): exactly its steps, whatever the clock
     assert RoundPlan(3).more(2, 1e9, 1.0) and not RoundPlan(3).more(3, 0.0, 0.0)
 

@@ -34,9 +34,10 @@ def test_dylu_and_late_peers_rebase_while_every_round_agrees(tmp_path, process_t
         assert len(set(r["global_params_sha256"].values())) == 1, f"round {r['round']} differs: {r}"
 
     rounds = {name: _rounds(tmp_path, name) for name in ("peer0", "peer1", "peer2", "peer3")}
-    # DyLU: the 3x slower peer runs fewer inner steps, and both commit every round
-    assert sorted(rounds["peer0"]) == sorted(rounds["peer1"]) == list(range(1, ROUNDS + 1))
-    for n in range(1, ROUNDS + 1):
+    # DyLU: the 3x slower peer runs fewer inner steps, and both commit every round until the late peers come back
+    # (then a group may close before the slow peer arrives: it rebases and rejoins like them)
+    assert all(n in rounds["peer0"] and n in rounds["peer1"] for n in range(1, 5)), (rounds["peer0"], rounds["peer1"])
+    for n in range(1, 5):
         fast, slow = rounds["peer0"][n]["train/inner_steps"], rounds["peer1"][n]["train/inner_steps"]
         assert slow < fast, f"round {n}: fast peer {fast} steps, slow peer {slow}"
     # the frozen and the restarted peer kept their work: rebased, then contributed it and committed with the run

@@ -4,7 +4,7 @@
 ``stall:...`` freezes the peer's whole process group with SIGSTOP instead (a frozen machine: no FIN, no RST), which
 only timeouts can detect (the local swarm can thaw it with SIGCONT); ``term:...`` sends the peer SIGTERM, a graceful
 stop at that moment (it saves a checkpoint holding its unfinished round's work). Phases:
-  * ``inner``        halfway through the round's inner steps
+  * ``inner``        halfway through the round's planned inner steps (at its end if DyLU's time budget ends it sooner)
   * ``matchmaking``  once the averager is looking for a group
   * ``allreduce``    after the reducer has streamed its first averaged part (parts still in flight)
   * ``serving``      after the first message of a state download served to a joining peer

@@ -13,10 +13,16 @@ Speeds are steps per second, not tokens per second, because machines of one run 
 H_i is what a peer expects to run. Speeds move from round to round (a shared machine, thermal limits, data loading),
 so a plan made from past rounds alone lets the peers that happen to be faster this round wait for the others. A
 round under DyLU therefore also has a time budget, the fastest peer's expected time for H steps, T = H / v_max,
-counted from the start of the round: every peer keeps stepping while its next step ends within it (at least
-``min_inner_steps``; at most 2·H, a bound for clocks gone wrong), so that a peer slower than usual this round ends
-on time with fewer steps and one faster than usual uses the time for more. The fastest peer runs about H. No torch,
-no network.
+counted from the start of the round: every peer keeps stepping while its next step ends within it (at least half its
+H_i, so that a round that started late, after a slow state download or a stalled DHT request, still does useful
+work; at most 2·H, a bound for clocks gone wrong), so that a peer slower than usual this round ends on time with
+fewer steps and one faster than usual uses the time for more. The fastest peer runs about H.
+
+For the budget to end together on every peer, the peers of a group use the same T and the same start: the speeds
+all members announced in the group's all-reduce (identical on every member), and the moment that all-reduce ended
+(within milliseconds on every member), so that committing, evaluating and checkpointing fall inside the budget.
+A peer that did not average last round (a newcomer, a failed round) plans from the roster's speeds and its own
+round start. No torch, no network.
 """
 
 from __future__ import annotations
@@ -87,12 +93,13 @@ class RoundPlan:
 
     def more(self, done: int, now: float, last_step_s: float) -> bool:
         """Whether to run another step, ``done`` steps in, at time ``now``, the last step having taken
-        ``last_step_s`` seconds (the next one is expected to take as long)."""
+        ``last_step_s`` seconds (the next one is expected to take as long). A step that would end past the deadline
+        is not started: a peer rather ends early by part of a step than makes the others wait for one."""
         if self.deadline is None:
             return done < self.steps
         if done < self.least:
             return True
-        return done < self.most and now + last_step_s / 2 < self.deadline  # ends nearer the deadline than not
+        return done < self.most and now + last_step_s <= self.deadline
 
 
 def plan_round(own: Optional[float], live_speeds: Iterable[float], inner_steps: int, min_steps: int, dylu: bool,
@@ -103,4 +110,5 @@ def plan_round(own: Optional[float], live_speeds: Iterable[float], inner_steps: 
         return RoundPlan(inner_steps)
     speeds = [v for v in live_speeds if math.isfinite(v) and v > 0] + [own]
     steps = local_steps(own, speeds, inner_steps, min_steps)
-    return RoundPlan(steps, round_start + inner_steps / max(speeds), least=min_steps, most=2 * inner_steps)
+    return RoundPlan(steps, round_start + inner_steps / max(speeds), least=max(min_steps, steps // 2),
+                     most=2 * inner_steps)
