@@ -167,6 +167,8 @@ def run_all(methods: list[str], args, other_rounds: int) -> dict[str, list[dict]
                 raise SystemExit("stopped (SIGTERM)")
             runs[m].append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "points"}), flush=True)
+            if args.out:  # after every run, so that an interrupted benchmark keeps what it measured
+                Path(args.out).write_text(json.dumps(runs, indent=1))
     return runs
 
 
