@@ -6,7 +6,7 @@
 #       -v p2p-diloco-state:/var/lib/p2p-diloco p2p-diloco bootstrap --config /etc/p2p-diloco/bootstrap.toml
 #   docker run -d --name peer --gpus all --shm-size=8g -p 31337:31337/tcp -p 31337:31337/udp \
 #       -v "$PWD/runs:/workspace/runs" -v hf-cache:/cache/huggingface \
-#       p2p-diloco peer --config /opt/p2p-diloco/peers/cloud-gpu.toml --initial-peers /ip4/.../p2p/Qm...
+#       p2p-diloco peer --config /opt/p2p-diloco/peers/machine-80gb.toml --run.run_id c4-400m --initial-peers /ip4/.../p2p/Qm...
 #
 # /dev/shm: hivemind's averager keeps the pseudo-gradient buffers in shared memory and moves them between its
 # processes through /dev/shm. Docker gives containers 64 MB, far too little for a model of any size: run peers with
@@ -45,7 +45,7 @@ COPY bootstrap/bootstrap.toml /etc/p2p-diloco/bootstrap.toml
 # Relative run_dir values in the configs (runs/...) land here; mount a host folder on /workspace/runs to keep them.
 WORKDIR /workspace
 
-# The fixed port of bootstrap/bootstrap.toml and peers/{home,cloud}-gpu.toml: TCP, and UDP for QUIC.
+# The fixed port of bootstrap/bootstrap.toml and peers/machine-{80gb,24gb}.toml: TCP, and UDP for QUIC.
 EXPOSE 31337/tcp 31337/udp
 
 ENTRYPOINT ["p2p-diloco"]

@@ -28,6 +28,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
+    args = None
     try:
         overrides, rest = parse_overrides(argv)
         args, unknown = parser.parse_known_args(rest)
@@ -35,10 +36,24 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (config keys look like --section.key=value)")
         if overrides and not getattr(args, "reads_config", True):
             raise ConfigError(f"{argv[0]}: takes no config keys (got --{next(iter(overrides))})")
-        return args.func(args, overrides)
+        code = args.func(args, overrides)
     except (ConfigError, JoinError) as e:
         _fail(str(e))
-    return USAGE_ERROR
+        code = USAGE_ERROR
+    if args is not None and getattr(args, "func", None) is _cmd_peer:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End a peer process without the interpreter's teardown. Peer.close() has saved and fsynced the checkpoint,
+    closed the metrics and shut the DHT and averager down; what is left is garbage collection over the objects of
+    torch, transformers and hivemind, which took 5 s on an idle 2-core machine and over 30 s on a busy one, so that
+    a stopped peer lingered (and a restarted one waited) for that long."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _fail(message: str) -> None:
@@ -60,9 +75,12 @@ def _parser() -> argparse.ArgumentParser:
         else:
             p = sub.add_parser(name, help=help_text, description=help_text,
                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                               epilog="config keys (in a TOML file under [section], or as --section.key=value):\n"
+                               epilog="config keys (in a TOML file under [section], or as --section.key=value; "
+                                      "'run setting': every peer of a run holds the same value):\n"
                                       + describe(sections, defaults))
-            p.add_argument("--config", metavar="FILE", help="TOML config file; --section.key=value flags override it")
+            p.add_argument("--config", metavar="FILE", action="append",
+                           help="TOML config file; repeat it to layer files (e.g. a run config, then a machine "
+                                "config: later files win); --section.key=value flags override them")
         p.set_defaults(func=func, reads_config=sections != [])
         return p
 
@@ -94,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="inject seeded failures: SIGKILLs during an all-reduce, inner steps or matchmaking and "
                         "while serving state, a graceful leave, two joins, a bootstrap kill (needs --peers >= 3, "
                         "--rounds >= 6)")
+    s.add_argument("--slowdown", metavar="F[,F...]", default=None,
+                   help="fault.slowdown of each peer in turn, e.g. 1,1,2,4: peer i sleeps (F - 1) x each inner "
+                        "step's compute time after it, behaving like a machine F times slower (default: all 1)")
     s.add_argument("--no-report", action="store_true",
                    help="skip the text sample from the final θ_global and the plots at the end of the run")
 
@@ -148,10 +169,11 @@ def _cmd_bootstrap(args, overrides: dict[str, str]) -> int:
 def _cmd_peer(args, overrides: dict[str, str]) -> int:
     if args.initial_peers:
         overrides = {"network.initial_peers": args.initial_peers, **overrides}
-    cfg = load_config(args.config, overrides)  # bad input fails here, before the slow imports below
+    given: set[str] = set()  # the keys set by files and flags: the run's published settings complete the others
+    cfg = load_config(args.config, overrides, given=given)  # bad input fails here, before the slow imports below
     from p2p_diloco.peer import Peer
 
-    peer = Peer(cfg)
+    peer = Peer(cfg, given=given)
     _setup_logging(peer.name)
     try:
         peer.start()
@@ -184,6 +206,7 @@ def _cmd_swarm(args, overrides: dict[str, str]) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
     if args.chaos is not None and (args.peers < 3 or args.rounds < 6):
         raise ConfigError("--chaos: needs --peers >= 3 and --rounds >= 6")
+    slowdowns = _slowdowns(args.slowdown, args.peers)
     # validate everything before starting a single process; peers then read one effective config file
     cfg = load_config(args.config, overrides, defaults=DEMO_DEFAULTS)
     if not args.no_report and cfg.run.sample_every == 0:
@@ -191,7 +214,20 @@ def _cmd_swarm(args, overrides: dict[str, str]) -> int:
     peer_args = write_peer_config(args.run_dir, cfg)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # a TERM must end the children too, as Ctrl+C does
     return run_swarm(args.peers, args.rounds, args.inner_steps, args.run_dir, peer_args, timeout=args.timeout,
-                     chaos=args.chaos, echo=lambda s: print(s, flush=True), report=not args.no_report)
+                     chaos=args.chaos, slowdowns=slowdowns, echo=lambda s: print(s, flush=True),
+                     report=not args.no_report)
+
+
+def _slowdowns(text: Optional[str], peers: int) -> Optional[list[float]]:
+    if text is None:
+        return None
+    try:
+        factors = [float(f) for f in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--slowdown: expected comma-separated factors >= 1, e.g. 1,1,2,4, got {text!r}") from None
+    if len(factors) > peers or any(not f >= 1 for f in factors):
+        raise ConfigError(f"--slowdown: expected at most {peers} factors (one per peer), each >= 1, got {text!r}")
+    return factors
 
 
 def _cmd_status(args, overrides: dict[str, str]) -> int:

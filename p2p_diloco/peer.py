@@ -1,9 +1,17 @@
 """A DiLoCo peer: start → run → close. ``Peer.run`` owns the round loop.
 
-One round: check that our θ_global is the run's (else fetch it from a peer that has it); H inner AdamW steps on
-θ_local; δ = θ_global − θ_local into the averager's buffers; canonical all-reduce; if the round is good, the outer
-step on θ_global and θ_local ← θ_global (commit); otherwise θ_global is left untouched and training continues from
-θ_local, so the next round's pseudo-gradient carries this round's work too (roll back).
+One round: check that our θ_global is the run's (else fetch it from a peer that has it, rebasing our local work
+onto it); H_i inner AdamW steps on θ_local (DyLU: H_i from our measured speed against the fastest live peer's, so
+that rounds end together); if the run moved on while we trained, catch up again (rebase) so our work still counts;
+δ = θ_global − θ_local into the averager's buffers; canonical all-reduce; if the round is good, the outer step on
+θ_global and θ_local ← θ_global (commit); otherwise θ_global is left untouched and training continues from θ_local,
+so the next round's pseudo-gradient carries this round's work too (roll back).
+
+Rebasing (``diloco.max_staleness``): when the peer replaces its θ_global by the run's (it missed rounds, was frozen,
+resumed from an old checkpoint, or was in the minority), its local work δ = θ_global_old − θ_local is kept:
+θ_local ← θ_global_new − δ, with its tokens still counted for the next contribution, unless the work began more than
+``max_staleness`` rounds before the run's round, or the fetched state's history shows that our contribution of that
+round is already in the run's average; then it is dropped. θ_global itself is only ever the run's.
 
 The roster, sync and state transfers live in :mod:`p2p_diloco.net.membership`; θ_global, the outer state and the
 round in :class:`~p2p_diloco.train.global_state.GlobalState`.
@@ -29,10 +37,12 @@ from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.ops.faults import HOLD_FILE, parse_fault
 from p2p_diloco.ops.metrics import MetricsSink, build_sink
 from p2p_diloco.train.data import build_data
+from p2p_diloco.train.dylu import PROBE_STEPS, PaceMeter, RoundPlan, plan_round, schedule_position
 from p2p_diloco.train.global_state import GlobalState
-from p2p_diloco.train.inner import InnerTrainer, evaluate, resolve_device, schedule_total_steps
+from p2p_diloco.train.inner import (InnerTrainer, RoundSteps, evaluate, progress_bar, resolve_device,
+                                    schedule_total_steps)
 from p2p_diloco.train.model import build_model, count_parameters, model_fingerprint
-from p2p_diloco.train.outer import build_outer_optimizer, load_into, pseudo_gradient
+from p2p_diloco.train.outer import build_outer_optimizer, load_into, pseudo_gradient, rebase
 
 logger = logging.getLogger("p2p_diloco")
 
@@ -40,8 +50,10 @@ logger = logging.getLogger("p2p_diloco")
 class Peer:
     """One replica of the run. ``averager`` may be injected (tests); otherwise ``start`` joins the swarm."""
 
-    def __init__(self, cfg: Config, *, averager=None, stop_event: Optional[threading.Event] = None):
+    def __init__(self, cfg: Config, *, averager=None, stop_event: Optional[threading.Event] = None,
+                 given: Optional[set[str]] = None):
         self.cfg = cfg
+        self.given = given  # the config keys this peer set itself; the run's settings complete the others
         self.name = cfg.run.name or f"{socket.gethostname()}-{os.getpid()}"
         self.run_dir = Path(cfg.run.run_dir)
         self.stop_event = stop_event or threading.Event()
@@ -51,31 +63,39 @@ class Peer:
         self.membership = None  # net.membership.Membership once in a swarm; None with an injected averager
         self.relay_issue: Optional[str] = None  # why our relay cannot serve us (client mode only), for explanations
         self.tokens_since_commit = 0  # weight of the next contribution
+        self.work_round = 0  # the round of θ_global our uncommitted local work began from (its staleness)
         self.tokens_trained = 0  # tokens of all inner steps this peer has run in this run
+        self.pace = PaceMeter()  # our inner-step speed (DyLU)
+        self._group_clock = None  # (when our last committed all-reduce ended, its members' speeds): DyLU's next round
+        self._struck = None  # the round an inner-phase fault struck in
         self.metrics: MetricsSink = MetricsSink()
         self._sampler = None  # ops.generate.Generator over self.model, made at the first text sample
         self.log = logger
-        self._closed = False
+        self._closed = self._ready = False
 
     # ------------------------------------------------------------------------------------------------ start
     def start(self) -> "Peer":
         cfg = self.cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
+        if self.averager is None:
+            self._open_dht()  # before the model: the run's published settings may complete ours
+            cfg = self.cfg
         self.device = resolve_device(cfg.run.device)
         self.data = build_data(cfg.data, cfg.model.seq_len, cfg.inner.batch_size, self.name)
         self.model = build_model(cfg.model, self.data.vocab_size, cfg.run.seed).to(self.device)
         params = [p.detach().to("cpu", torch.float32).clone() for p in self.model.parameters()]
         outer = build_outer_optimizer(cfg.diloco.outer_optimizer, params, cfg.diloco.outer_lr,
-                                      cfg.diloco.outer_momentum)
+                                      cfg.diloco.outer_momentum, cfg.diloco.dn_delay, cfg.diloco.dn_c)
         self.state = GlobalState(params, outer)
         total = schedule_total_steps(cfg.inner, cfg.run.rounds, cfg.diloco.inner_steps)
         self.inner = InnerTrainer(self.model, cfg.inner, self.device, total)
         self.fingerprint = self._fingerprint()
-        resumed = self._resume()
         self.metrics = build_sink(cfg, self.run_dir, self.name)
         if self.averager is None:
-            self._join_swarm()
+            self._join_swarm()  # stays out of the run until run.join_after_round
+        resumed = self._resume()  # after that wait: a peer restarted in place takes its newest checkpoint
+        self._ready = True  # our state is this run_dir's: close() may save it
         self.log.info(f"model {count_parameters(self.model) / 1e6:.2f}M params, fingerprint {self.fingerprint}, "
                       f"device {self.device}, {'resumed at' if resumed else 'starting at'} round {self.round}")
         if not resumed:
@@ -85,6 +105,7 @@ class Peer:
                               "global_params_sha256": self.state.params_digest, "fingerprint": self.fingerprint})
             self.log.info(f"initial eval loss {eval_loss:.4f}")
         if self.membership is not None:
+            self.membership.enter()
             self.membership.wait_for_expected_peers()
         return self
 
@@ -93,15 +114,27 @@ class Peer:
         d = self.cfg.diloco
         key = (f"{model_fingerprint(self.model)}|{self.cfg.averaging.codec}|{d.outer_optimizer}|{d.outer_lr}|"
                f"{d.outer_momentum}|{d.weight_by_tokens}")
+        if d.outer_optimizer == "delayed_nesterov":
+            key += f"|{d.dn_delay}|{d.dn_c}"
         return hashlib.sha256(key.encode()).hexdigest()[:12]
 
+    def _open_dht(self) -> None:
+        """Join the DHT, find out how we can take part (net/nat.py) and settle our config against the run's
+        published settings (net/run_settings.py)."""
+        from p2p_diloco.net import nat  # hivemind users are imported lazily, for mocked tests
+        from p2p_diloco.net.run_settings import settle
+
+        self._probe = nat.probe(self.cfg.network, self.log)
+        self.dht = self._probe.dht
+        self.cfg = settle(self.cfg, self.dht, self.given, self.log)
+
     def _join_swarm(self) -> None:
-        from p2p_diloco.net import nat  # the only hivemind users; imported lazily for mocked tests
+        from p2p_diloco.net import nat
         from p2p_diloco.net.averaging import Averager
         from p2p_diloco.net.dht import run_prefix, visible_maddrs
         from p2p_diloco.net.membership import Membership
 
-        self.dht, choice, self.relay_issue = nat.join(self.cfg.network, self._payload_bytes(), self.log)
+        self.dht, choice, self.relay_issue = nat.decide(self.cfg.network, self._probe, self._payload_bytes())
         self.log.info(f"reachability: {choice.reason}; taking part as {choice.mode}")
         prefix = run_prefix(self.cfg.run.run_id, self.fingerprint)
         self.averager = Averager(self.dht, self.cfg.averaging, prefix, [p.shape for p in self.state.params],
@@ -114,7 +147,6 @@ class Peer:
         self.log.info(f"joined run {self.cfg.run.run_id!r} as {self.averager.peer_id} (group key prefix "
                       f"{prefix}); others can join through: {' '.join(maddrs)}")
         self.membership.wait_for_round(self.cfg.run.join_after_round)
-        self.membership.enter()
 
     def _payload_bytes(self) -> int:
         """Bytes of one pseudo-gradient on the wire."""
@@ -137,21 +169,27 @@ class Peer:
             roster = self.membership.roster() if self.membership else []  # one DHT read serves both checks
             if self._finished(roster):
                 break
-            self._sync([s for s in roster if not s.leaving])
+            live = [s for s in roster if not s.leaving]
+            self._catch_up(live)
             started = time.perf_counter()
-            train_loss, tokens = self._inner_steps(self.cfg.diloco.inner_steps)
+            train_loss, tokens, steps = self._inner_steps(live, begun)
             if self.stop_event.is_set():
                 break
             inner_done = time.perf_counter()
-            result = self._average()
-            self.averager.observe_round(time.perf_counter() - started)
+            live = self._live_roster()  # one read: did the run move on while we trained, and the group to expect
+            self._catch_up(live)  # if so, rebase onto it now: our work still enters this round
+            caught_up = time.perf_counter()
+            result = self._average(live)
+            averaged_at = time.perf_counter()
+            self.averager.observe_round(averaged_at - started)
             committed = result.ok and self._commit(result)
-            # wall time of this round by part: sync (roster read, state repair), inner steps, and the rest
+            self._group_clock = (averaged_at, result.speeds) if committed and result.speeds else None
+            # wall time of this round by part: sync (roster reads, state repairs), inner steps, and the rest
             # (pseudo-gradient, matchmaking, all-reduce, outer step); evaluation is not counted
-            timing = {"time/sync_s": started - begun, "time/inner_s": inner_done - started,
+            timing = {"time/sync_s": started - begun + caught_up - inner_done, "time/inner_s": inner_done - started,
                       "time/round_s": time.perf_counter() - begun}
-            self._log_round(result, committed, train_loss, tokens, timing)
-            self._report(result, tokens, timing["time/inner_s"])
+            self._log_round(result, committed, train_loss, tokens, steps, timing)
+            self._report(result, tokens)
             if committed:
                 self._after_commit()
 
@@ -168,44 +206,120 @@ class Peer:
             return True
         return self.membership is not None and self.membership.run_is_over(roster)
 
-    def _sync(self, live_roster) -> None:
-        """Fetch the run's state if we are behind it or in the minority; our local progress is then dropped."""
-        fresh = self.round == 0 and self.inner.step_count == 0
-        if self.membership is not None and self.membership.sync(live_roster, fresh):
-            load_into(self.model.parameters(), self.state.params)
-            self.tokens_since_commit = 0
+    def _live_roster(self) -> list:
+        return self.membership.live_roster() if self.membership else []
 
-    def _inner_steps(self, steps: int) -> tuple[float, int]:
-        """H inner steps on θ_local; returns (mean loss, tokens). Stops early, between steps, if asked to."""
-        losses, tokens = [], 0
-        bar = _progress(steps, f"{self.name} r{self.round + 1}", self.cfg.run.progress)
-        for step in range(steps):
-            if self.stop_event.is_set():
-                break
-            if self.fault is not None and step == steps // 2 and self.fault.due("inner", self.round + 1):
-                self.fault.strike()
-            out = self.inner.step(self.data.train.next_batch)
-            losses.append(out.loss)
-            tokens += out.tokens
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{out.loss:.3f}", refresh=False)
-        if bar is not None:
-            bar.close()
-        self.tokens_since_commit += tokens
-        return (sum(losses) / len(losses) if losses else float("nan")), tokens
+    # ------------------------------------------------------------------------------------------------ catching up
+    def _catch_up(self, live_roster) -> None:
+        """Fetch the run's state if we are behind it or in the minority; rebase our local work onto it, or drop it
+        if it is too old (``diloco.max_staleness``) or already in the run's average."""
+        target = self.membership.behind(live_roster) if self.membership is not None else None
+        if target is None:
+            return
+        base, work_round, tokens = self.round, self.work_round, self.tokens_since_commit
+        max_staleness = self.cfg.diloco.max_staleness
+        keep = tokens > 0 and max_staleness > 0 and target.round - work_round <= max_staleness
+        if keep:  # δ = θ_global_old − θ_local, into the (idle) averaging buffers, before θ_global_old is replaced
+            with self.averager.pseudo_grads() as buffers:
+                pseudo_gradient(self.state.params, self.model.parameters(), buffers)
+        if not self.membership.fetch(target, fresh=base == 0 and self.inner.step_count == 0):
+            return  # nothing changed: θ_local still holds our work
+        already_in = self.state.included(self.name, base + 1)  # our last attempt was averaged after all
+        if keep and not already_in:
+            with self.averager.pseudo_grads() as buffers:
+                rebase(self.model.parameters(), self.state.params, buffers)
+            self._log_work("rebase", base, work_round, tokens)
+            return
+        load_into(self.model.parameters(), self.state.params)
+        self.tokens_since_commit, self.work_round = 0, self.round
+        if tokens:
+            self._log_work("drop_work", base, work_round, tokens, "already averaged" if already_in else "too old")
 
-    def _average(self):
+    def _log_work(self, event: str, base: int, work_round: int, tokens: int, why: str = "") -> None:
+        self.metrics.log({"event": event, "peer": self.name, "round": self.round, "from_round": base,
+                          "work_round": work_round, "staleness": self.round - work_round, "tokens": tokens,
+                          "reason": why or None})
+        verb = "rebased onto" if event == "rebase" else f"dropped ({why}) at"
+        self.log.info(f"{event}: our local work since round {work_round} ({tokens} tokens) {verb} round "
+                      f"{self.round}'s θ_global (staleness {self.round - work_round})")
+
+    # ------------------------------------------------------------------------------------------------ inner steps
+    def _inner_steps(self, live_roster, round_start: float) -> tuple[float, int, int]:
+        """This round's inner steps on θ_local; returns (mean loss, tokens, steps). DyLU: about as many as our
+        measured speed allows next to the fastest live peer's, within the round's time budget (train/dylu.py); with no
+        measurement yet, a few timed steps come first. Stops early, between steps, if asked to."""
+        H = self.cfg.diloco.inner_steps
+        work = RoundSteps(progress_bar(H, f"{self.name} r{self.round + 1}", self.cfg.run.progress))
+        if self._dylu and not self.pace.measured:  # a new peer: its own short measurement, counted as training
+            self._train(RoundPlan(min(PROBE_STEPS, H)), H, work)
+            self._report_pace(work.probe_rate())
+            live_roster = self._live_roster()  # the others' speeds, as of now
+        own, others, round_start = self._pace_plan(live_roster, round_start)
+        plan = plan_round(own, others, H, self.cfg.diloco.min_inner_steps, self._dylu, round_start)
+        work.plan(plan.steps)
+        self._train(plan, plan.steps, work)
+        self._inner_fault(work.steps, 0)  # a round that ended before its halfway step still gets its fault
+        work.close()
+        self.tokens_since_commit += work.tokens
+        self.pace.add(work.steps, work.tokens, work.seconds)
+        return work.mean_loss, work.tokens, work.steps
+
+    def _pace_plan(self, live_roster, round_start: float) -> tuple[float, list[float], float]:
+        """(our speed, the others', the round's start) to plan from: after a committed round, what every member of
+        its group knows alike (the speeds announced in it, the moment it ended), so all end the round together; else
+        our measurement, the live roster's and our own round start."""
+        if self._group_clock is not None:
+            averaged_at, speeds = self._group_clock
+            return self._announced_speed or self.pace.steps_per_s, speeds, averaged_at
+        return self.pace.steps_per_s, [s.steps_per_s for s in live_roster if s.peer_id != self.peer_id], round_start
+
+    @property
+    def _dylu(self) -> bool:
+        return self.cfg.diloco.dylu and self.membership is not None
+
+    def _train(self, plan: RoundPlan, planned: int, work: RoundSteps) -> None:
+        """Inner steps while ``plan`` asks for more (a round of about ``planned``), each slowed down by
+        ``fault.slowdown`` (sleeping after it)."""
+        slowdown = self.cfg.fault.slowdown
+        while not self.stop_event.is_set() and plan.more(work.steps, time.perf_counter(), work.last_step_s):
+            self._inner_fault(work.steps, planned // 2)
+            t0 = time.perf_counter()
+            out = self.inner.step(self.data.train.next_batch, self._schedule_step(work.steps, planned))
+            if slowdown > 1:
+                self.stop_event.wait((slowdown - 1) * (time.perf_counter() - t0))
+            work.add(out.loss, out.tokens, time.perf_counter() - t0)
+
+    def _inner_fault(self, done: int, at: int) -> None:
+        """Fault injection (tests): strike once per round, halfway through its planned inner steps."""
+        if self.fault is None or done < at or self._struck == self.round + 1:
+            return
+        if self.fault.due("inner", self.round + 1):
+            self._struck = self.round + 1
+            self.fault.strike()
+
+    def _schedule_step(self, step_in_round: int, planned: int) -> Optional[float]:
+        if self.cfg.inner.lr_clock == "steps":
+            return None  # InnerTrainer counts our own steps
+        return schedule_position(self.round, min(step_in_round, planned), planned, self.cfg.diloco.inner_steps)
+
+    def _report_pace(self, probe_rate: Optional[tuple[int, int, float]]) -> None:
+        if probe_rate is not None:
+            self.pace.add(*probe_rate)
+            self.membership.work.update(steps_per_s=self.pace.steps_per_s, tokens_per_s=self.pace.tokens_per_s)
+            self.membership.publish()  # others plan with it from now on
+
+    # ------------------------------------------------------------------------------------------------ averaging
+    def _average(self, live: list):
         from p2p_diloco.net.averaging import Contribution
 
-        live = self.membership.live_roster() if self.membership is not None else []
         if self.membership is not None:
             self.averager.set_group_size(len(live))
         with self.averager.pseudo_grads() as buffers:
             pseudo_gradient(self.state.params, self.model.parameters(), buffers)
         weight = self.tokens_since_commit if self.cfg.diloco.weight_by_tokens else 1.0
+        self._announced_speed = self.pace.steps_per_s
         contribution = Contribution(name=self.name, round=self.round, digest=self.state.digest,
-                                    tokens=self.tokens_since_commit)
+                                    tokens=self.tokens_since_commit, steps_per_s=self._announced_speed)
         result = self.averager.average(contribution, weight)
         if not result.ok and self.membership is not None:  # name the cause and the fix when it is reachability
             result.error = explain_no_group(self.membership.reachability, [s.reachability for s in live],
@@ -218,19 +332,19 @@ class Peer:
             if not all(torch.isfinite(d).all() for d in averaged):
                 result.error = "the averaged pseudo-gradient is not finite: round rejected"
                 return False
-            self.state.apply(averaged, num_contributions=result.group_size)
+            self.state.apply(averaged, num_contributions=result.group_size, members=result.peers)
         load_into(self.model.parameters(), self.state.params)
-        self.tokens_since_commit = 0
+        self.tokens_since_commit, self.work_round = 0, self.round
         if self.membership is not None:
             self.membership.state_changed()
         return True
 
-    def _log_round(self, result, committed: bool, train_loss: float, tokens: int, timing: dict) -> None:
+    def _log_round(self, result, committed: bool, train_loss: float, tokens: int, steps: int, timing: dict) -> None:
         deadlines = getattr(self.averager, "deadlines", None)  # a mocked averager has none
         deadline = deadlines.allreduce_timeout if deadlines is not None else None
         record = {"event": "round", "peer": self.name, "round": self.round, "committed": committed,
                   "outer/group_size": result.group_size, "outer/peers": result.peers, "train/loss": train_loss,
-                  "train/tokens": tokens, "outer/allreduce_s": result.seconds,
+                  "train/tokens": tokens, "train/inner_steps": steps, "outer/allreduce_s": result.seconds,
                   "outer/allreduce_only_s": result.allreduce_seconds, "outer/allreduce_timeout_s": deadline,
                   "outer/bytes_sent": result.bytes_sent, "outer/bytes_received": result.bytes_received,
                   "global_params_sha256": self.state.params_digest, "state_sha256": self.state.digest,
@@ -249,11 +363,12 @@ class Peer:
             self.log.warning(f"round {self.round + 1} not committed ({result.error}); θ_global kept, "
                              f"training continues from θ_local")
 
-    def _report(self, result, tokens: int, inner_s: float) -> None:
-        """What the roster shows about our work (published with the next heartbeat or state change)."""
+    def _report(self, result, tokens: int) -> None:
+        """What the roster shows about our work (published with the next heartbeat or state change): our speed
+        over recent rounds (averaging excluded), tokens trained, the last all-reduce."""
         self.tokens_trained += tokens
         if self.membership is not None:
-            self.membership.work.update(tokens_per_s=tokens / inner_s if inner_s > 0 else 0.0,
+            self.membership.work.update(steps_per_s=self.pace.steps_per_s, tokens_per_s=self.pace.tokens_per_s,
                                         tokens_trained=self.tokens_trained, last_allreduce_s=result.seconds,
                                         last_bytes=result.bytes_sent + result.bytes_received)
 
@@ -266,7 +381,7 @@ class Peer:
         return {**self.state.state_dict(), "name": self.name, "fingerprint": self.fingerprint,
                 "model": self.model.state_dict(), "inner": self.inner.state_dict(),
                 "data": self.data.train.state_dict(), "tokens_since_commit": self.tokens_since_commit,
-                "tokens_trained": self.tokens_trained, "config": asdict(self.cfg)}
+                "work_round": self.work_round, "tokens_trained": self.tokens_trained, "config": asdict(self.cfg)}
 
     def save(self) -> None:
         with self.state.lock:
@@ -309,6 +424,7 @@ class Peer:
         self.inner.load_state_dict(saved["inner"])
         self.data.train.load_state_dict(saved["data"])
         self.tokens_since_commit = saved["tokens_since_commit"]
+        self.work_round = saved.get("work_round", self.round)  # θ_local's work is relative to the saved θ_global
         self.tokens_trained = saved.get("tokens_trained", 0)  # absent from checkpoints of earlier versions
         return True
 
@@ -322,7 +438,7 @@ class Peer:
         try:
             if self.membership is not None:
                 self.membership.leave()  # others stop counting us and stop waiting for us
-            if hasattr(self, "inner") and self.cfg.run.checkpoint_every:
+            if self._ready and self.cfg.run.checkpoint_every:
                 self.save()
         finally:
             if self.averager is not None and hasattr(self.averager, "close"):
@@ -330,11 +446,3 @@ class Peer:
             if self.dht is not None:
                 self.dht.shutdown()
             self.metrics.close()
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)

@@ -26,6 +26,7 @@ class PeerStatus:
     last_allreduce_s: float = 0.0   # its last averaging attempt, matchmaking included
     last_bytes: int = 0             # bytes it sent and received in that attempt
     reachability: str = "unknown"   # how it takes part (net/reachability.py): public | relayed | client
+    steps_per_s: float = 0.0        # inner steps per second over its recent rounds (DyLU plans from it; 0: unknown)
 
 
 @dataclass

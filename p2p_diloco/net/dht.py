@@ -1,14 +1,21 @@
 """DHT nodes and every DHT key this project writes or reads.
 
-Keys (all under the run's prefix ``{run_id}_{fingerprint}``, so runs and model shapes never mix):
+Keys under the run's prefix ``{safe_run_id}_{fingerprint}``, so runs and model shapes never mix:
   * ``{prefix}.0b...``           hivemind matchmaking (written by hivemind's averager)
   * ``{prefix}.all_averagers``   state donors, priority = round (written by hivemind's averager)
-  * ``{prefix}.roster``          every peer's PeerStatus (round, digest of θ_global and momentum, leaving)
+  * ``{prefix}.roster``          every peer's PeerStatus (round, digest of θ_global and momentum, leaving, its
+                                 measured speed for DyLU), one subkey per peer id
+  * ``{prefix}.finished``        peers that left after training all of ``run.rounds``: subkey peer id, value
+                                 ``{"name": str, "round": int}``, kept an hour so that a peer finishing later (its
+                                 roster alone, the leavers' entries expired) learns that the run is over
 
 Run-level keys (``{safe_run_id}``: the run_id with characters other than letters, digits, ``_`` and ``-`` as ``_``):
   * ``{safe_run_id}.runs``       index of the run's prefixes: subkey = prefix, value = {"fingerprint": ...},
                                  refreshed with the roster heartbeat, so ``p2p-diloco status`` finds every
                                  prefix of a run knowing only its run_id
+  * ``{safe_run_id}.config``     the run's shared settings: subkey = peer id, value ``{"settings": {"section.key":
+                                 value}, "fingerprint": str}``, refreshed with the roster heartbeat; read by joiners
+                                 to adopt them or be refused on a mismatch (net/run_settings.py)
 """
 
 from __future__ import annotations
@@ -280,3 +287,60 @@ def read_run_index(dht: hivemind.DHT, run_id: str, timeout: float) -> list[str]:
     if found is None or not isinstance(found.value, dict):
         return []
     return sorted(str(prefix) for prefix in found.value)
+
+
+# ---------------------------------------------------------------------------------------------- run settings
+# {safe_run_id}.config: one subkey per peer id, value = {"settings": {...}, "fingerprint": str}, expiring unless
+# refreshed (heartbeat).
+
+def run_settings_key(run_id: str) -> str:
+    return f"{safe_run_id(run_id)}.config"
+
+
+def publish_run_settings(dht: hivemind.DHT, run_id: str, peer_id: str, settings: dict, fingerprint: str,
+                         ttl: float) -> None:
+    """Publish the run settings this peer trains with for ``ttl`` seconds, without waiting for the store (as the
+    run index: the heartbeat that calls this must stay on time; a lost store is redone by the next heartbeat)."""
+    dht.store(run_settings_key(run_id), subkey=peer_id, value={"settings": settings, "fingerprint": fingerprint},
+              expiration_time=get_dht_time() + ttl, return_future=True)  # the future is dropped: nobody waits
+
+
+def read_run_settings(dht: hivemind.DHT, run_id: str, timeout: float) -> list[dict]:
+    """Every unexpired published run settings entry of ``run_id``; [] if none or if the DHT does not answer."""
+    future = dht.get(run_settings_key(run_id), latest=True, return_future=True)
+    try:
+        found = future.result(timeout=timeout)
+    except Exception as e:
+        logger.debug(f"reading run settings failed: {e!r}")
+        return []
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return [entry.value for entry in found.value.values() if isinstance(entry.value, dict)]
+
+
+# ---------------------------------------------------------------------------------------------- finished peers
+# {prefix}.finished: one subkey per peer id, value = {"name": str, "round": int}.
+
+def publish_finished(dht: hivemind.DHT, prefix: str, peer_id: str, name: str, round_: int, ttl: float,
+                     timeout: float) -> bool:
+    future = dht.store(f"{prefix}.finished", subkey=peer_id, value={"name": name, "round": round_},
+                       expiration_time=get_dht_time() + ttl, return_future=True)
+    try:
+        return bool(future.result(timeout=timeout))
+    except Exception as e:  # the roster's leaving entry says as much while it lives
+        logger.debug(f"publishing the end of our run failed: {e!r}")
+        return False
+
+
+def read_finished(dht: hivemind.DHT, prefix: str, timeout: float) -> list[tuple[str, int]]:
+    """(name, round) of every peer that left after training the whole run; [] if none or no answer."""
+    future = dht.get(f"{prefix}.finished", latest=True, return_future=True)
+    try:
+        found = future.result(timeout=timeout)
+    except Exception as e:
+        logger.debug(f"reading finished peers failed: {e!r}")
+        return []
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return [(str(e.value["name"]), int(e.value["round"])) for e in found.value.values()
+            if isinstance(e.value, dict) and "name" in e.value and isinstance(e.value.get("round"), int)]

@@ -7,7 +7,10 @@
   the run's prefix knowing only its run_id.
 * Sync: before contributing, a peer compares itself with the live roster (:func:`consensus.sync_target`); if the
   run moved past its θ_global, or most peers hold other bytes for its round, it downloads the run's state from a
-  peer that holds it and checks it against the donor's digest and the roster's.
+  peer that holds it and checks it against the donor's digest and the roster's. What happens to the peer's local
+  work then (rebased or dropped) is the peer's decision, between :meth:`Membership.behind` and :meth:`fetch`.
+* Run settings: with every heartbeat the peer also publishes the run's shared settings it trains with
+  (net/run_settings.py), which joiners adopt or are checked against.
 * Donating: a peer that is not in client mode serves a consistent snapshot of its state to joiners.
 * Reachability: each entry says how its peer takes part (public, relayed or client; net/reachability.py).
 """
@@ -19,14 +22,16 @@ import threading
 import time
 from typing import Optional
 
-from p2p_diloco.config import Config
+from p2p_diloco.config import Config, shared_settings
 from p2p_diloco.net.consensus import PeerStatus, SyncTarget, sync_target
-from p2p_diloco.net.dht import publish_run_index, publish_status, read_roster, reconnect
+from p2p_diloco.net.dht import (publish_finished, publish_run_index, publish_run_settings, publish_status,
+                                read_finished, read_roster, reconnect)
 from p2p_diloco.ops.metrics import MetricsSink
 from p2p_diloco.train.global_state import GlobalState
 from p2p_diloco.train.outer import state_digests
 
 logger = logging.getLogger("p2p_diloco")
+FINISHED_TTL = 3600.0  # s a "finished the run" entry lasts: a peer that comes late still learns the run is over
 
 
 class Membership:
@@ -44,7 +49,9 @@ class Membership:
         self._last_reconnect = 0.0
         self._saw_others = False  # after an outage (not at start), reconnecting is worth a log line
         # what we report about our work in the roster (PeerStatus fields of the same names); the peer updates it
-        self.work = {"tokens_per_s": 0.0, "tokens_trained": 0, "last_allreduce_s": 0.0, "last_bytes": 0}
+        self.work = {"tokens_per_s": 0.0, "tokens_trained": 0, "last_allreduce_s": 0.0, "last_bytes": 0,
+                     "steps_per_s": 0.0}
+        self.settings = shared_settings(cfg)
 
     @property
     def peer_id(self) -> str:
@@ -57,8 +64,10 @@ class Membership:
                           **self.work)
 
     def publish(self, leaving: bool = False) -> None:
-        publish_status(self.dht, self.prefix, self.status(leaving), ttl=self.cfg.averaging.roster_ttl,
-                       timeout=self.cfg.averaging.request_timeout)
+        ttl, timeout = self.cfg.averaging.roster_ttl, self.cfg.averaging.request_timeout
+        publish_status(self.dht, self.prefix, self.status(leaving), ttl=ttl, timeout=timeout)
+        if not leaving:
+            publish_run_settings(self.dht, self.cfg.run.run_id, self.peer_id, self.settings, self.fingerprint, ttl=ttl)
 
     def roster(self) -> list[PeerStatus]:
         """Every unexpired roster entry, leavers included. Seeing nobody else, first dial the initial peers again
@@ -107,9 +116,14 @@ class Membership:
         self.averager.serve_state(self.donate_state, self.state.round)
 
     def leave(self) -> None:
-        """Announce a graceful leave (others stop counting and waiting for us) and stop serving state."""
+        """Announce a graceful leave (others stop counting and waiting for us) and stop serving state; if we trained
+        all of ``run.rounds``, say so for longer than a roster entry lives, for peers that finish later."""
         self._closed.set()
         self.publish(leaving=True)
+        rounds = self.cfg.run.rounds
+        if rounds is not None and self.state.round >= rounds:
+            publish_finished(self.dht, self.prefix, self.peer_id, self.name, self.state.round, ttl=FINISHED_TTL,
+                             timeout=self.cfg.averaging.request_timeout)
         self.averager.stop_serving()
 
     # ------------------------------------------------------------------------------------------------ waiting
@@ -141,24 +155,32 @@ class Membership:
         if rounds is None:
             return False
         others = [s for s in roster if s.peer_id != self.peer_id]
-        finished = [s for s in others if s.leaving and s.round >= rounds]
-        if finished and all(s.leaving for s in others):
-            self.log.warning(f"the run finished without us: {', '.join(s.name for s in finished)} left after "
-                             f"round {rounds}; stopping at round {self.state.round}")
+        if not all(s.leaving for s in others):
+            return False
+        # those that left after the last round: in the roster, or (entries expired) in the finished list
+        recorded = read_finished(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+        finished = sorted({s.name for s in others if s.round >= rounds} | {n for n, r in recorded if r >= rounds})
+        if finished:
+            self.log.warning(f"the run finished without us: {', '.join(finished)} left after round {rounds}; "
+                             f"stopping at round {self.state.round}")
             return True
         return False
 
     # ------------------------------------------------------------------------------------------------ state
-    def sync(self, live_roster: list[PeerStatus], fresh: bool) -> bool:
-        """Before contributing: if the run has moved past our θ_global, or most peers hold other bytes for our
-        round, fetch the run's state from a peer that holds it (digest-checked). True if our state was replaced.
-        ``fresh``: this peer has not trained yet (the transfer is logged as a join, else as a repair)."""
+    def behind(self, live_roster: list[PeerStatus]) -> Optional[SyncTarget]:
+        """The run's state to fetch before contributing, if the run moved past our θ_global or most peers hold other
+        bytes for our round and some donor serves it; else None."""
         target = sync_target(self.status(), live_roster)
         if target is None:
-            return False
+            return None
         if not target.donors:
             self.log.warning(f"behind the run (round {target.round}) but no donor serves that state yet")
-            return False
+            return None
+        return target
+
+    def fetch(self, target: SyncTarget, fresh: bool) -> bool:
+        """Download ``target`` from its donors (digest-checked) into our state. True if our state was replaced.
+        ``fresh``: this peer has not trained yet (the transfer is logged as a join, else as a repair)."""
         kind = "join" if fresh else "repair"
         self.log.info(f"{kind}: our round {self.state.round} ({self.state.digest[:12]}) vs the run's round "
                       f"{target.round} ({target.digest[:12]}); fetching state")
@@ -175,7 +197,7 @@ class Membership:
         if problem:
             self.log.warning(f"{kind}: state from {donor} rejected: {problem}")
             return False
-        self.state.load(metadata["round"], tensors)
+        self.state.load(metadata["round"], tensors, metadata.get("members", ()))
         self.state_changed()
         seconds = time.perf_counter() - start
         size = sum(t.numel() * t.element_size() for t in tensors)
@@ -204,7 +226,8 @@ class Membership:
 
     def donate_state(self) -> tuple[dict, list]:
         """Called on hivemind's state thread when a peer downloads from us: a consistent snapshot."""
-        round_, digest, tensors = self.state.snapshot()
-        metadata = {"round": round_, "digest": digest, "fingerprint": self.fingerprint, "name": self.name}
+        round_, digest, tensors, members = self.state.snapshot()
+        metadata = {"round": round_, "digest": digest, "fingerprint": self.fingerprint, "name": self.name,
+                    "members": members}
         return metadata, tensors
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
@@ -38,18 +38,21 @@ RELAY_WAIT_S = 10.0  # after AutoNAT's "private", a reservation at a static rela
 
 
 # ---------------------------------------------------------------------------------------------- start-up
-def join(cfg: NetworkConfig, payload_bytes: int, log: logging.Logger = logger) -> tuple[DHT, Choice, Optional[str]]:
-    """Start this peer's DHT node and decide how it takes part (network.reachability, network.client_mode).
+class Probe(NamedTuple):
+    dht: DHT
+    status: Optional[str] = None       # AutoNAT's verdict, None if none came (or none was asked for)
+    relay: Optional[RelayInfo] = None  # our relay reservation, if one was made
+    probed: bool = False               # the DHT was started as a client to probe: a public peer restarts it
 
-    Returns the DHT (a DHT client unless the peer is public), the choice, and, for unreachable peers, why their
-    relay cannot serve (for the per-round explanation). ``auto`` waits up to ``network.reachability_timeout`` for
-    AutoNAT's verdict; a peer found public restarts its DHT node as a DHT server (about a second).
-    """
+
+def probe(cfg: NetworkConfig, log: logging.Logger = logger) -> Probe:
+    """Start this peer's DHT node and find out what decides how it takes part: AutoNAT's verdict and a relay
+    reservation (network.reachability, network.client_mode). ``auto`` waits up to ``network.reachability_timeout`` for the verdict. The DHT can read the run's keys
+    at once; :func:`decide` settles the mode once the payload is known."""
     relays = list(cfg.trusted_relays or cfg.initial_peers)
-    known = findings(cfg, None, None, payload_bytes)
+    known = findings(cfg, None, None, 0)
     if cfg.client_mode or cfg.reachability == "public" or (cfg.reachability == "auto" and not known.public_network):
-        dht = start_dht(cfg, client_mode=cfg.client_mode)  # nothing to find out (AutoNAT needs public peers)
-        return dht, choose_mode(known), None
+        return Probe(start_dht(cfg, client_mode=cfg.client_mode))  # nothing to find out (AutoNAT needs public peers)
     forced = "private" if cfg.reachability == "private" else None
     dht = start_dht(cfg, client_mode=True, force_reachability=forced, relays=relays)
     status = None
@@ -57,14 +60,20 @@ def join(cfg: NetworkConfig, payload_bytes: int, log: logging.Logger = logger) -
         log.info(f"reachability: waiting for AutoNAT (peers dial this peer back; up to "
                  f"{cfg.reachability_timeout:.0f} s)")
         status = nat_status(dht, timeout=cfg.reachability_timeout)
-    relay = None
-    if status != "public" and relays:
-        relay = find_relay(dht, timeout=RELAY_WAIT_S)
-    choice = choose_mode(findings(cfg, status, relay, payload_bytes))
-    if choice.mode == "public":
+    relay = find_relay(dht, timeout=RELAY_WAIT_S) if status != "public" and relays else None
+    return Probe(dht, status, relay, probed=True)
+
+
+def decide(cfg: NetworkConfig, found: Probe, payload_bytes: int) -> tuple[DHT, Choice, Optional[str]]:
+    """How the peer takes part, from :func:`probe`'s findings and the run's payload. Returns the DHT (restarted as
+    a DHT server when the peer turned out public, about a second), the choice, and, for unreachable peers, why their
+    relay cannot serve (for the per-round explanation)."""
+    dht = found.dht
+    choice = choose_mode(findings(cfg, found.status, found.relay, payload_bytes))
+    if choice.mode == "public" and found.probed:
         dht.shutdown()  # found dialable: serve the DHT too
         dht = start_dht(cfg, client_mode=False)
-    return dht, choice, None if choice.mode != "client" else relay_problem(relay, payload_bytes)
+    return dht, choice, None if choice.mode != "client" else relay_problem(found.relay, payload_bytes)
 
 
 def findings(cfg: NetworkConfig, status, relay, payload_bytes: int) -> Findings:

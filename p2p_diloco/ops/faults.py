@@ -2,10 +2,11 @@
 
 ``--fault.inject=kill:allreduce:3`` makes the peer SIGKILL itself while its reducer streams results in round 3;
 ``stall:...`` freezes the peer's whole process group with SIGSTOP instead (a frozen machine: no FIN, no RST), which
-only timeouts can detect. ``hold:...`` pauses the peer at that moment until a test harness removes the file
-``run_dir/hold`` the peer created (at most HOLD_MAX_S), so that the harness can act on the network (take the peer's
-router down) while, say, an all-reduce is in flight. Phases:
-  * ``inner``        halfway through the round's inner steps
+only timeouts can detect (the local swarm can thaw it with SIGCONT); ``term:...`` sends the peer SIGTERM, a graceful
+stop at that moment (it saves a checkpoint holding its unfinished round's work). ``hold:...`` pauses the peer at that
+moment until a test harness removes the file ``run_dir/hold`` the peer created (at most HOLD_MAX_S), so that the
+harness can act on the network (take the peer's router down) while, say, an all-reduce is in flight. Phases:
+  * ``inner``        halfway through the round's planned inner steps (at its end if DyLU's time budget ends it sooner)
   * ``matchmaking``  once the averager is looking for a group
   * ``allreduce``    after the reducer has streamed its first averaged part (parts still in flight)
   * ``serving``      after the first message of a state download served to a joining peer
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 PHASES = ("inner", "matchmaking", "allreduce", "serving")
-ACTIONS = ("kill", "stall", "hold")
+ACTIONS = ("kill", "stall", "term", "hold")
 HOLD_FILE = "hold"
 HOLD_MAX_S = 120.0
 _held: set = set()  # holds already served in this process: a hold strikes once (strike() may be called per part)
@@ -48,9 +49,11 @@ class Fault:
         if self.action == "stall":
             os.killpg(os.getpgid(self.main_pid), signal.SIGSTOP)
             return
+        if self.action == "term":
+            os.kill(self.main_pid, signal.SIGTERM)
+            return
         os.kill(self.main_pid, signal.SIGKILL)
         os._exit(137)  # when called from a helper process (averager), vanish at once too
-
 
     def _hold(self) -> None:
         if self in _held:

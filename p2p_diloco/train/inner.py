@@ -17,8 +17,9 @@ import torch
 from p2p_diloco.config import ConfigError, InnerConfig
 
 
-def lr_at(step: int, cfg: InnerConfig, total_steps: Optional[int]) -> float:
-    """Learning rate of inner step ``step`` (0-based, counted over the whole run, not per round).
+def lr_at(step: float, cfg: InnerConfig, total_steps: Optional[int]) -> float:
+    """Learning rate of inner step ``step`` (0-based, counted over the whole run, not per round; a fractional step
+    under ``inner.lr_clock = "rounds"``, see train/dylu.py).
 
     Linear warm-up reaching ``cfg.lr`` at step ``warmup_steps - 1``, then cosine decay to ``cfg.lr *
     cfg.min_lr_ratio`` at step ``total_steps`` (warm-up included) and constant beyond it; constant ``cfg.lr``
@@ -64,9 +65,10 @@ class InnerTrainer:
         self.optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr,
                                            betas=(cfg.beta1, cfg.beta2))
 
-    def step(self, next_batch: Callable[[], torch.Tensor]) -> StepResult:
-        """One inner step over ``cfg.grad_accum`` micro-batches from ``next_batch`` (LongTensor [B, T])."""
-        lr = lr_at(self.step_count, self.cfg, self.total_steps)
+    def step(self, next_batch: Callable[[], torch.Tensor], position: Optional[float] = None) -> StepResult:
+        """One inner step over ``cfg.grad_accum`` micro-batches from ``next_batch`` (LongTensor [B, T]). The lr is
+        that of schedule step ``position`` if given (the run's progress), else of ``step_count`` (our own steps)."""
+        lr = lr_at(self.step_count if position is None else position, self.cfg, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
@@ -149,3 +151,57 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ConfigError(f"run.device: {name!r} but only {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+class RoundSteps:
+    """One round's inner steps as a peer runs them: losses, tokens, each step's time (compute, and the sleep of
+    ``fault.slowdown``), and the progress bar (None: none)."""
+
+    def __init__(self, bar):
+        self.bar, self.losses, self.tokens, self.times = bar, [], 0, []
+
+    @property
+    def steps(self) -> int:
+        return len(self.losses)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.times)
+
+    @property
+    def last_step_s(self) -> float:
+        return self.times[-1] if self.times else 0.0
+
+    @property
+    def mean_loss(self) -> float:
+        return sum(self.losses) / len(self.losses) if self.losses else float("nan")
+
+    def add(self, loss: float, tokens: int, seconds: float) -> None:
+        self.losses.append(loss)
+        self.tokens += tokens
+        self.times.append(seconds)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+    def probe_rate(self) -> Optional[tuple[int, int, float]]:
+        """(steps, tokens, seconds) of the steps so far without the first (it carries one-off start-up costs)."""
+        if self.steps < 2:
+            return (self.steps, self.tokens, self.seconds) if self.steps else None
+        return self.steps - 1, self.tokens * (self.steps - 1) // self.steps, sum(self.times[1:])
+
+    def plan(self, steps: int) -> None:
+        if self.bar is not None:
+            self.bar.total = steps
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
