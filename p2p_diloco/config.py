@@ -58,12 +58,20 @@ class DataConfig:
     dataset_config: Optional[str] = _f(None, "hub dataset configuration (subset) name, e.g. 'en' for allenai/c4")
     split: str = _f("train", "dataset split to train on")
     text_field: str = _f("text", "name of the text column")
-    streaming: bool = _f(True, "stream hub datasets instead of downloading them whole (local files are never streamed)")
-    tokenizer: str = _f("byte", "'byte' (256-symbol byte-level tokenizer) or a Hugging Face tokenizer name or path")
+    streaming: bool = _f(True, "stream hub datasets instead of downloading them whole (local files: see "
+                          "stream_files)")
+    tokenizer: str = _f("auto", "'byte' (256-symbol byte-level tokenizer), a Hugging Face tokenizer name or path, or "
+                        "'auto': model.init_from's own tokenizer when that is set, else 'byte'")
     eval_fraction: float = _f(0.02, "share of the data held out for evaluation (local data; hub streams hold out "
                               "their first documents)", "fraction", lambda x: 0 < x < 0.5, "must be in (0, 0.5)")
     eval_batches: int = _f(4, "batches in one held-out evaluation", "batches", _positive, "must be > 0")
     seed: int = _f(0, "seed mixed with the peer name to pick each peer's data order")
+    stream_files: bool = _f(False, "read a local file or folder through the same streamed reader as hub datasets "
+                            "(shuffle buffer, packed documents) instead of loading it whole: for local corpora larger "
+                            "than memory, e.g. hub files downloaded beforehand on an offline machine")
+    prefetch_batches: int = _f(8, "batches of streamed data tokenized ahead on a background thread, so tokenizing "
+                               "overlaps the inner steps; 0: tokenize in the training loop", "batches",
+                               _non_negative, "must be >= 0")
 
 
 @dataclass

@@ -6,8 +6,9 @@ evaluates on the same held-out batches. Two readers implement :class:`TokenBatch
 - :class:`WindowBatches` (embedded corpus, local files, non-streamed hub data): the whole token stream is in memory;
   each batch is ``batch_size`` random windows of the training region. The held-out region is the stream's tail
   (embedded) or its last documents (files).
-- :class:`StreamBatches` (streamed hub data): documents are shuffled through a buffer, tokenized and packed into
-  consecutive windows. The held-out documents are the stream's first ones and are skipped by training.
+- :class:`StreamBatches` (streamed hub data, and local files with ``data.stream_files``): documents are shuffled
+  through a buffer, tokenized and packed into consecutive windows, ahead of the training loop on a background thread
+  (:mod:`p2p_diloco.train.prefetch`). The held-out documents are the stream's first ones and are skipped by training.
 
 Both resume exactly from :meth:`TokenBatches.state_dict`.
 """
@@ -15,6 +16,7 @@ Both resume exactly from :meth:`TokenBatches.state_dict`.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -31,6 +33,9 @@ from p2p_diloco.train.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, l
 
 LOCAL_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 """File extension -> ``datasets`` packaged builder for local data."""
+
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+"""Compression suffixes ``datasets`` decompresses on the fly (hub corpora such as allenai/c4 ship ``.json.gz``)."""
 
 STREAM_SHUFFLE_BUFFER = 10_000
 """Documents held in the shuffle buffer of a streamed dataset (memory: this many documents)."""
@@ -67,6 +72,9 @@ class TokenBatches:
 
     def load_state_dict(self, state: dict) -> None:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the reader holds in the background (a prefetch thread); it can still be read after."""
 
 
 class WindowBatches(TokenBatches):
@@ -168,7 +176,9 @@ class StreamBatches(TokenBatches):
             stream = self.dataset.shuffle(seed=self.seed, buffer_size=self.buffer_size)
             stream.set_epoch(epoch)  # a new shuffle every epoch
             found = False
-            for index, example in enumerate(stream.skip(skip) if skip else stream, start=skip):
+            # islice, not IterableDataset.skip: a skipped stream of several shards does not keep the shuffle of
+            # set_epoch (datasets 5.2: epochs >= 1 resumed in another order)
+            for index, example in enumerate(itertools.islice(stream, skip, None), start=skip):
                 text = _text_of(example, self.text_field)
                 if text and _doc_hash(text) not in self.held_out:
                     found = True
@@ -204,12 +214,14 @@ class Data:
     tokenizer: Tokenizer
 
 
-def build_data(data_cfg: DataConfig, seq_len: int, batch_size: int, peer_name: str) -> Data:
-    """Open ``data_cfg.dataset`` and return ``peer_name``'s reader plus the held-out batches.
+def build_data(data_cfg: DataConfig, seq_len: int, batch_size: int, peer_name: str,
+               init_from: Optional[str] = None) -> Data:
+    """Open ``data_cfg.dataset`` and return ``peer_name``'s reader plus the held-out batches. ``init_from`` is
+    ``model.init_from`` (its tokenizer is the one ``data.tokenizer = 'auto'`` means).
 
     Raises ConfigError naming the data.* key at fault (missing file, missing column, too little data).
     """
-    tokenizer = load_tokenizer(data_cfg.tokenizer)
+    tokenizer = load_tokenizer(data_cfg.tokenizer, init_from)
     seed = peer_seed(data_cfg.seed, peer_name)
     source = _open_source(data_cfg)
     if data_cfg.dataset == "embedded":
@@ -229,7 +241,7 @@ def _open_source(cfg: DataConfig):
         return None
     path = Path(cfg.dataset).expanduser()
     if path.exists():
-        return _load_local(path, cfg.dataset)
+        return _load_local(path, cfg.dataset, streaming=cfg.stream_files)
     if _looks_like_path(cfg.dataset):
         raise ConfigError(f"data.dataset: no such file or folder '{cfg.dataset}'")
     import datasets
@@ -243,22 +255,32 @@ def _open_source(cfg: DataConfig):
 def _looks_like_path(name: str) -> bool:
     # hub names are "owner/dataset" (one slash, no leading dot or slash), so a lone "/" cannot mean a path
     return (name.startswith(("/", ".", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
-            or Path(name).suffix in LOCAL_BUILDERS)
+            or _file_kind(Path(name)) in LOCAL_BUILDERS)
 
 
-def _load_local(path: Path, name: str):
-    """A local file, or every supported file in a folder (recursively, sorted), loaded whole (not streamed)."""
+def _file_kind(path: Path) -> str:
+    """The extension that picks the builder, under a compression suffix: 'a.json.gz' -> '.json'."""
+    suffixes = path.suffixes
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
+
+
+def _load_local(path: Path, name: str, streaming: bool = False):
+    """A local file, or every supported file in a folder (recursively, sorted): loaded whole, or (``streaming``)
+    as an ``IterableDataset`` read by the same code as a streamed hub dataset."""
     files = [path] if path.is_file() else sorted(
-        p for p in path.rglob("*") if p.is_file() and p.suffix in LOCAL_BUILDERS
+        p for p in path.rglob("*") if p.is_file() and _file_kind(p) in LOCAL_BUILDERS
         and not any(part.startswith(".") for part in p.relative_to(path).parts))
-    builders = {LOCAL_BUILDERS.get(p.suffix) for p in files}
+    builders = {LOCAL_BUILDERS.get(_file_kind(p)) for p in files}
     if not files or None in builders:
         raise ConfigError(f"data.dataset: '{name}' has no {'/'.join(LOCAL_BUILDERS)} file")
     if len(builders) > 1:
         raise ConfigError(f"data.dataset: '{name}' mixes file kinds ({', '.join(sorted(builders))}); keep one")
     import datasets
 
-    return datasets.load_dataset(builders.pop(), data_files=[str(p) for p in files], split="train")
+    return datasets.load_dataset(builders.pop(), data_files=[str(p) for p in files], split="train",
+                                 streaming=streaming)
 
 
 def _is_streaming(source) -> bool:
@@ -326,4 +348,8 @@ def _stream_data(dataset, cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, b
     tokens = torch.from_numpy(np.concatenate(parts)[:needed]).long()
     evals = list(tokens.view(cfg.eval_batches, batch_size, seq_len).unbind(0))
     reader = StreamBatches(dataset, cfg.text_field, tokenizer, seq_len, batch_size, seed, frozenset(held_out))
+    if cfg.prefetch_batches:
+        from p2p_diloco.train.prefetch import Prefetcher  # imports this module
+
+        reader = Prefetcher(reader, cfg.prefetch_batches)
     return Data(reader, evals, tokenizer.vocab_size, tokenizer)
