@@ -72,6 +72,9 @@ class DataConfig:
     prefetch_batches: int = _f(8, "batches of streamed data tokenized ahead on a background thread, so tokenizing "
                                "overlaps the inner steps; 0: tokenize in the training loop", "batches",
                                _non_negative, "must be >= 0")
+    tokenizer_threads: int = _f(1, "threads tokenizing streamed documents (Hugging Face tokenizers release the GIL, "
+                                "so each uses a core); raise it when one core cannot keep up with the GPU (see "
+                                "BENCHMARKS.md)", "threads", _positive, "must be > 0")
 
 
 @dataclass

@@ -4,6 +4,7 @@ Offline: local files are written to tmp_path, and the hub path is exercised by a
 streams a local file.
 """
 
+import dataclasses
 import io
 import json
 import time
@@ -281,8 +282,11 @@ def test_bpe_tokenizer_and_local_jsonl_stream_through_the_hub_reader_offline(tmp
     again = build_data(cfg, SEQ, BATCH, "alice").train
     again.load_state_dict(state)
     assert _equal(_batches(again, 5), expected)
-    data.train.close()
-    again.close()
+    threads = build_data(dataclasses.replace(cfg, tokenizer_threads=2), SEQ, BATCH, "alice").train
+    threads.load_state_dict(state)
+    assert _equal(_batches(threads, 5), expected)  # tokenizing on two threads keeps the order
+    for reader in (data.train, again, threads):
+        reader.close()
 
 
 def test_local_files_are_loaded_whole_unless_streamed(tmp_path, bpe_tokenizer):

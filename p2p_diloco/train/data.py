@@ -19,6 +19,7 @@ import hashlib
 import itertools
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -39,6 +40,9 @@ COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 
 STREAM_SHUFFLE_BUFFER = 10_000
 """Documents held in the shuffle buffer of a streamed dataset (memory: this many documents)."""
+
+ENCODE_CHUNK = 64
+"""Documents of a stream tokenized in one go (split over ``data.tokenizer_threads``)."""
 
 
 # ---------------------------------------------------------------------------------------------- batch readers
@@ -117,10 +121,13 @@ class StreamBatches(TokenBatches):
     """
 
     def __init__(self, dataset, text_field: str, tokenizer: Tokenizer, seq_len: int, batch_size: int, seed: int,
-                 held_out: frozenset[bytes] = frozenset(), buffer_size: int = STREAM_SHUFFLE_BUFFER):
+                 held_out: frozenset[bytes] = frozenset(), buffer_size: int = STREAM_SHUFFLE_BUFFER,
+                 tokenizer_threads: int = 1):
         super().__init__(seq_len, batch_size)
         self.dataset, self.text_field, self.tokenizer = dataset, text_field, tokenizer
         self.seed, self.held_out, self.buffer_size = seed, held_out, buffer_size
+        self.tokenizer_threads = tokenizer_threads
+        self._pool: Optional[ThreadPoolExecutor] = None
         self._position = (0, 0, 0)  # (epoch, document index, token offset) of the next unused token
         self._current: Optional[list] = None  # [epoch, index, tokens, offset] of a partly used document
         self._documents: Optional[Iterator[tuple[int, int, np.ndarray]]] = None
@@ -171,7 +178,17 @@ class StreamBatches(TokenBatches):
         return [epoch, index, tokens, 0]
 
     def _read(self, epoch: int, skip: int) -> Iterator[tuple[int, int, np.ndarray]]:
-        """(epoch, index in epoch, tokens) of every non-empty training document, from document ``skip`` on."""
+        """(epoch, index in epoch, tokens) of every non-empty training document, from document ``skip`` on.
+
+        Documents are tokenized ``ENCODE_CHUNK`` at a time, split over ``tokenizer_threads`` threads (the Rust
+        tokenizer releases the GIL, so they run on as many cores); the order is kept."""
+        texts = self._texts(epoch, skip)
+        while chunk := list(itertools.islice(texts, ENCODE_CHUNK)):
+            for (epoch, index, _), tokens in zip(chunk, self._encode([text for _, _, text in chunk])):
+                yield epoch, index, tokens
+
+    def _texts(self, epoch: int, skip: int) -> Iterator[tuple[int, int, str]]:
+        """(epoch, index in epoch, text) of every non-empty training document, from document ``skip`` on."""
         while True:
             stream = self.dataset.shuffle(seed=self.seed, buffer_size=self.buffer_size)
             stream.set_epoch(epoch)  # a new shuffle every epoch
@@ -182,10 +199,24 @@ class StreamBatches(TokenBatches):
                 text = _text_of(example, self.text_field)
                 if text and _doc_hash(text) not in self.held_out:
                     found = True
-                    yield epoch, index, self.tokenizer.encode_documents([text])
+                    yield epoch, index, text
             if not found and skip == 0:
                 raise ConfigError("data.dataset: the stream has no training documents besides the held-out ones")
             epoch, skip = epoch + 1, 0
+
+    def _encode(self, texts: list[str]) -> list[np.ndarray]:
+        if self.tokenizer_threads == 1:
+            return self.tokenizer.encode_each(texts)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.tokenizer_threads, thread_name_prefix="tokenize")
+        step = -(-len(texts) // self.tokenizer_threads)
+        parts = self._pool.map(self.tokenizer.encode_each, [texts[i:i + step] for i in range(0, len(texts), step)])
+        return [tokens for part in parts for tokens in part]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
 
 def _check_kind(state: dict, kind: str) -> None:
@@ -347,7 +378,8 @@ def _stream_data(dataset, cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, b
                           f"needed for held-out evaluation")
     tokens = torch.from_numpy(np.concatenate(parts)[:needed]).long()
     evals = list(tokens.view(cfg.eval_batches, batch_size, seq_len).unbind(0))
-    reader = StreamBatches(dataset, cfg.text_field, tokenizer, seq_len, batch_size, seed, frozenset(held_out))
+    reader = StreamBatches(dataset, cfg.text_field, tokenizer, seq_len, batch_size, seed, frozenset(held_out),
+                           tokenizer_threads=cfg.tokenizer_threads)
     if cfg.prefetch_batches:
         from p2p_diloco.train.prefetch import Prefetcher  # imports this module
 

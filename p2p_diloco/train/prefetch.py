@@ -51,14 +51,18 @@ class Prefetcher(TokenBatches):
         return dict(self._state)
 
     def load_state_dict(self, state: dict) -> None:
-        self.close()
+        self._halt()
         self.reader.load_state_dict(state)
         self._state = self.reader.state_dict()
         self.batches = self.reader.batches
 
     def close(self) -> None:
-        """Stop the thread (it finishes the batch it is drawing); the next :meth:`next_batch` restarts it from the
-        position of the last batch handed out."""
+        """Stop the thread (it finishes the batch it is drawing) and close the reader; the next
+        :meth:`next_batch` restarts from the position of the last batch handed out."""
+        self._halt()
+        self.reader.close()
+
+    def _halt(self) -> None:
         if self._thread is None:
             return
         self._stop.set()

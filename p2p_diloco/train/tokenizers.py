@@ -21,6 +21,8 @@ class Tokenizer(Protocol):
 
     def encode_documents(self, texts: list[str]) -> np.ndarray: ...
 
+    def encode_each(self, texts: list[str]) -> list[np.ndarray]: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens: 256 symbols, no download, no special tokens.
@@ -40,6 +42,10 @@ class ByteTokenizer:
         """All documents, each followed by the separator, as one int32 array (vectorized: no per-byte loop)."""
         data = "".join(t + "\n" for t in texts).encode("utf-8")
         return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+    def encode_each(self, texts: list[str]) -> list[np.ndarray]:
+        """Each document followed by the separator, as one int32 array per document."""
+        return [self.encode_documents([t]) for t in texts]
 
 
 class HFTokenizer:
@@ -64,10 +70,15 @@ class HFTokenizer:
     def encode_documents(self, texts: list[str]) -> np.ndarray:
         if not texts:
             return np.zeros(0, dtype=np.int32)
-        # one batched call: fast tokenizers encode the batch in parallel in Rust
+        return np.concatenate(self.encode_each(texts))
+
+    def encode_each(self, texts: list[str]) -> list[np.ndarray]:
+        if not texts:
+            return []
+        # one batched call (in Rust, without the GIL; on several cores if TOKENIZERS_PARALLELISM allows it)
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         sep = self.doc_separator
-        return np.concatenate([np.asarray(doc + sep, dtype=np.int32) for doc in ids])
+        return [np.asarray(doc + sep, dtype=np.int32) for doc in ids]
 
 
 def tokenizer_source(name: str, init_from: Optional[str] = None) -> str:
