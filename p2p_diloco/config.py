@@ -48,6 +48,11 @@ class ModelConfig:
     """The causal language model every peer of a run trains (identical on all peers)."""
     name: str = _f("tiny", "preset (tiny, 60m, 150m, 400m, 1b) or a path to a Hugging Face config.json or its folder")
     seq_len: int = _f(128, "sequence length of a training sample", "tokens", _positive, "must be > 0")
+    init_from: Optional[str] = _f(None, "start from a pretrained Hugging Face checkpoint: a local folder (saved with "
+                                  "save_pretrained; offline) or a hub name (downloaded once into the Hugging Face "
+                                  "cache); its weights are θ_global at round 0 on every peer, its architecture "
+                                  "replaces model.name, and data.tokenizer='auto' takes its tokenizer. A run-wide "
+                                  "setting: peers check before round 1 that they start from the same bytes")
 
 
 @dataclass

@@ -60,7 +60,7 @@ class Peer:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.device = resolve_device(cfg.run.device)
-        self.data = build_data(cfg.data, cfg.model.seq_len, cfg.inner.batch_size, self.name)
+        self.data = build_data(cfg.data, cfg.model.seq_len, cfg.inner.batch_size, self.name, cfg.model.init_from)
         self.model = build_model(cfg.model, self.data.vocab_size, cfg.run.seed).to(self.device)
         params = [p.detach().to("cpu", torch.float32).clone() for p in self.model.parameters()]
         outer = build_outer_optimizer(cfg.diloco.outer_optimizer, params, cfg.diloco.outer_lr,
@@ -73,7 +73,8 @@ class Peer:
         self.metrics = JsonlSink(self.run_dir / "metrics.jsonl")
         if self.averager is None:
             self._join_swarm()
-        self.log.info(f"model {count_parameters(self.model) / 1e6:.2f}M params, fingerprint {self.fingerprint}, "
+        origin = f" from {cfg.model.init_from}" if cfg.model.init_from else ""
+        self.log.info(f"model {count_parameters(self.model) / 1e6:.2f}M params{origin}, fingerprint {self.fingerprint}, "
                       f"device {self.device}, {'resumed at' if resumed else 'starting at'} round {self.round}")
         if not resumed:
             eval_loss = self._evaluate()
@@ -83,6 +84,8 @@ class Peer:
             self.log.info(f"initial eval loss {eval_loss:.4f}")
         if self.membership is not None:
             self.membership.wait_for_expected_peers()
+            if cfg.model.init_from is not None and not resumed:
+                self.membership.check_initial_state(cfg.model.init_from)
         return self
 
     def _fingerprint(self) -> str:

@@ -322,3 +322,10 @@ def test_prefetcher_keeps_the_order_resumes_and_raises_the_readers_error_in_plac
         failing.next_batch()
     assert _equal(_batches(failing, 2), _batches(reference, 2))  # it goes on from the last good position
     failing.close()
+
+
+def test_auto_tokenizer_is_the_checkpoints_own_else_bytes(bpe_tokenizer):
+    assert isinstance(load_tokenizer("auto"), ByteTokenizer)
+    auto = load_tokenizer("auto", init_from=bpe_tokenizer)  # a checkpoint folder holds its tokenizer's files
+    assert auto.vocab_size == load_tokenizer(bpe_tokenizer).vocab_size > 256
+    assert isinstance(load_tokenizer("byte", init_from=bpe_tokenizer), ByteTokenizer)  # an explicit choice wins
