@@ -8,7 +8,8 @@ tokens/s the GPU presets consume, and what background prefetch changes.
     datasets streaming, shuffle buffer, held-out check, tokenizing, packing) with ``data.prefetch_batches=0``;
   * feeding a GPU: a consumer that asks for one ``--batch`` x ``--seq-len`` batch and then waits, with the GIL
     released like a CUDA sync, for the time a GPU computing at ``--consume`` tokens/s would take; achieved tokens/s
-    with prefetch off and on, and with two tokenizer threads (``data.tokenizer_threads``). This is a simulation of the GPU's side, not a GPU measurement;
+    with prefetch off and on, and with two tokenizer threads (``data.tokenizer_threads``). This simulates the GPU's
+    side; it is not a GPU measurement;
   * demand: tokens/s of the GPU presets at 40 % MFU on an H100 (989 TFLOPS bf16) and an RTX 4090 (165), from
     p2p_diloco/train/flops.py (6·N + 12·L·d·T FLOPs per token, gpt2's 50257-token vocabulary).
 

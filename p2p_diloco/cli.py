@@ -30,6 +30,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         overrides, rest = parse_overrides(argv)
         args, unknown = parser.parse_known_args(rest)
+        args.argv = argv  # for a peer that relaunches itself under torchrun
         if unknown:
             raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (config keys look like --section.key=value)")
         return args.func(args, overrides)
@@ -71,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                 _cmd_peer, None)
     p.add_argument("--initial-peers", metavar="MADDR[,MADDR]",
                    help="multiaddrs of any live node of the run (same as --network.initial_peers)")
+    p.add_argument("--nproc-per-node", type=int, metavar="K",
+                   help="run this peer as K processes, one per GPU of this machine (data parallel inside the peer; "
+                        "the same as starting it with torchrun --standalone --nproc-per-node K -m p2p_diloco peer)")
 
     s = command("swarm", "Run a bootstrap node and N peers on 127.0.0.1 (the demo, and the shape of our tests).",
                 _cmd_swarm, None, DEMO_DEFAULTS)
@@ -103,6 +107,19 @@ def _cmd_peer(args, overrides: dict[str, str]) -> int:
     if args.initial_peers:
         overrides = {"network.initial_peers": args.initial_peers, **overrides}
     cfg = load_config(args.config, overrides)  # bad input fails here, before the slow imports below
+    from p2p_diloco.ops import ranks
+
+    if args.nproc_per_node is not None:
+        if args.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node: must be >= 1, got {args.nproc_per_node}")
+        command = ranks.torchrun_argv(args.nproc_per_node, args.argv)
+        os.execv(command[0], command)
+    rank = ranks.rank()
+    if rank is not None:
+        ranks.as_torchrun_worker()
+    if rank:
+        _setup_logging(f"{cfg.run.name or 'peer'}/rank{rank}")
+        return ranks.run_follower(cfg)
     from p2p_diloco.peer import Peer
 
     peer = Peer(cfg)

@@ -53,6 +53,9 @@ class ModelConfig:
                                   "cache); its weights are θ_global at round 0 on every peer, its architecture "
                                   "replaces model.name, and data.tokenizer='auto' takes its tokenizer. A run-wide "
                                   "setting: peers check before round 1 that they start from the same bytes")
+    gradient_checkpointing: bool = _f(False, "recompute each layer's activations in the backward pass instead of "
+                                      "keeping them: about a third more compute for much less memory (larger "
+                                      "micro-batches; see peers/*.toml). A per-machine choice: results are the same")
 
 
 @dataclass
@@ -176,6 +179,15 @@ class RunConfig:
                                          "reaches this round, then join it; the local swarm uses it to time joins",
                                          "rounds", _positive, "must be > 0")
     seed: int = _f(0, "seed of the initial θ_global (must match across peers) and of dropout")
+    compile: bool = _f(False, "torch.compile the model (the first inner step then takes minutes; later ones are "
+                       "faster, mostly on GPUs); a per-machine choice")
+    peak_tflops: Optional[float] = _f(None, "peak dense bf16 TFLOPS of one device, for the MFU in the metrics; "
+                                      "None: known GPUs are looked up by name (train/flops.py), others get no MFU",
+                                      "TFLOPS", _positive, "must be > 0")
+    rank_timeout: float = _f(3600.0, "multi-GPU peers (torchrun): longest wait of one process for another of the "
+                             "same peer; ranks > 0 wait for rank 0 while it averages or fetches state, so keep it "
+                             "above those waits. A rank that dies is noticed at once, not after this", "s",
+                             _positive, "must be > 0")
 
 
 def _valid_fault(text) -> bool:

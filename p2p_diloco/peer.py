@@ -27,11 +27,12 @@ from p2p_diloco.config import Config, ConfigError
 from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.ops.faults import parse_fault
 from p2p_diloco.ops.metrics import JsonlSink, MetricsSink
-from p2p_diloco.train.data import build_data
 from p2p_diloco.train.global_state import GlobalState
-from p2p_diloco.train.inner import InnerTrainer, evaluate, resolve_device, schedule_total_steps
-from p2p_diloco.train.model import build_model, count_parameters, model_fingerprint
-from p2p_diloco.train.outer import build_outer_optimizer, load_into, pseudo_gradient
+from p2p_diloco.train.inner import evaluate
+from p2p_diloco.train.model import count_parameters, model_fingerprint
+from p2p_diloco.train.outer import build_outer_optimizer
+from p2p_diloco.train.replica import Replica, build_training, join_ranks, share_name
+from p2p_diloco.train.transfer import host_copy
 
 logger = logging.getLogger("p2p_diloco")
 
@@ -59,23 +60,23 @@ class Peer:
         cfg = self.cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self.device = resolve_device(cfg.run.device)
-        self.data = build_data(cfg.data, cfg.model.seq_len, cfg.inner.batch_size, self.name, cfg.model.init_from)
-        self.model = build_model(cfg.model, self.data.vocab_size, cfg.run.seed).to(self.device)
-        params = [p.detach().to("cpu", torch.float32).clone() for p in self.model.parameters()]
+        self.ranks = join_ranks(cfg.run)  # None unless torchrun started this peer as one process per GPU
+        training = build_training(cfg, share_name(self.name, self.ranks), self.ranks)
+        self.device, self.data, self.model, self.inner = training.device, training.data, training.model, training.inner
+        self.replica = Replica(training, self.ranks, cfg)  # θ_local and the inner steps, on every rank
+        params = host_copy(self.model.parameters(), pin=self.device.type == "cuda")  # θ_global: fp32, host
         outer = build_outer_optimizer(cfg.diloco.outer_optimizer, params, cfg.diloco.outer_lr,
                                       cfg.diloco.outer_momentum)
         self.state = GlobalState(params, outer)
-        total = schedule_total_steps(cfg.inner, cfg.run.rounds, cfg.diloco.inner_steps)
-        self.inner = InnerTrainer(self.model, cfg.inner, self.device, total)
         self.fingerprint = self._fingerprint()
         resumed = self._resume()
         self.metrics = JsonlSink(self.run_dir / "metrics.jsonl")
         if self.averager is None:
             self._join_swarm()
         origin = f" from {cfg.model.init_from}" if cfg.model.init_from else ""
-        self.log.info(f"model {count_parameters(self.model) / 1e6:.2f}M params{origin}, fingerprint {self.fingerprint}, "
-                      f"device {self.device}, {'resumed at' if resumed else 'starting at'} round {self.round}")
+        self.log.info(f"model {count_parameters(self.model) / 1e6:.2f}M params{origin}, fingerprint "
+                      f"{self.fingerprint}, device {self.device} x {self.replica.world} process(es), "
+                      f"{'resumed at' if resumed else 'starting at'} round {self.round}")
         if not resumed:
             eval_loss = self._evaluate()
             self.metrics.log({"event": "start", "run_id": self.cfg.run.run_id, "peer": self.name,
@@ -157,7 +158,7 @@ class Peer:
         """Fetch the run's state if we are behind it or in the minority; our local progress is then dropped."""
         fresh = self.round == 0 and self.inner.step_count == 0
         if self.membership is not None and self.membership.sync(live_roster, fresh):
-            load_into(self.model.parameters(), self.state.params)
+            self.replica.load(self.state.params)
             self.tokens_since_commit = 0
 
     def _inner_steps(self, steps: int) -> tuple[float, int]:
@@ -169,7 +170,7 @@ class Peer:
                 break
             if self.fault is not None and step == steps // 2 and self.fault.due("inner", self.round + 1):
                 self.fault.strike()
-            out = self.inner.step(self.data.train.next_batch)
+            out = self.replica.step(self.data.train.next_batch)
             losses.append(out.loss)
             tokens += out.tokens
             if bar is not None:
@@ -186,7 +187,7 @@ class Peer:
         if self.membership is not None:
             self.averager.set_group_size(len(self.membership.live_roster()))
         with self.averager.pseudo_grads() as buffers:
-            pseudo_gradient(self.state.params, self.model.parameters(), buffers)
+            self.replica.pseudo_gradient(self.state.params, buffers)
         weight = self.tokens_since_commit if self.cfg.diloco.weight_by_tokens else 1.0
         contribution = Contribution(name=self.name, round=self.round, digest=self.state.digest,
                                     tokens=self.tokens_since_commit)
@@ -199,7 +200,7 @@ class Peer:
                 result.error = "the averaged pseudo-gradient is not finite: round rejected"
                 return False
             self.state.apply(averaged, num_contributions=result.group_size)
-        load_into(self.model.parameters(), self.state.params)
+        self.replica.load(self.state.params)
         self.tokens_since_commit = 0
         if self.membership is not None:
             self.membership.state_changed()
@@ -214,7 +215,7 @@ class Peer:
                   "outer/allreduce_only_s": result.allreduce_seconds, "outer/allreduce_timeout_s": deadline,
                   "outer/bytes_sent": result.bytes_sent, "outer/bytes_received": result.bytes_received,
                   "global_params_sha256": self.state.params_digest, "state_sha256": self.state.digest,
-                  "error": result.error, **timing}
+                  "error": result.error, **timing, **self.replica.round_stats(tokens, timing["time/inner_s"])}
         eval_every = self.cfg.run.eval_every
         if committed and eval_every and self.round % eval_every == 0:
             record["eval/loss"] = self._evaluate()
@@ -243,7 +244,8 @@ class Peer:
     def checkpoint_state(self) -> dict:
         return {**self.state.state_dict(), "name": self.name, "fingerprint": self.fingerprint,
                 "model": self.model.state_dict(), "inner": self.inner.state_dict(),
-                "data": self.data.train.state_dict(), "tokens_since_commit": self.tokens_since_commit,
+                "data": self.data.train.state_dict(), "data_ranks": self.replica.data_states(),
+                "tokens_since_commit": self.tokens_since_commit,
                 "tokens_trained": self.tokens_trained, "config": asdict(self.cfg)}
 
     def save(self) -> None:
@@ -278,6 +280,9 @@ class Peer:
             if hasattr(self, "inner") and self.cfg.run.checkpoint_every:
                 self.save()
         finally:
+            if hasattr(self, "replica"):
+                self.replica.close()  # ranks > 0 of a multi-GPU peer stop
+                self.data.train.close()
             if self.averager is not None and hasattr(self.averager, "close"):
                 self.averager.close()
             if self.dht is not None:
