@@ -223,7 +223,8 @@ class Peer:
         if committed:
             ev = f", eval {record['eval/loss']:.4f}" if "eval/loss" in record else ""
             self.log.info(f"round {self.round}: group {result.group_size}, train loss {train_loss:.4f}{ev}, "
-                          f"all-reduce {result.seconds:.2f} s, sent {result.bytes_sent / 1e6:.2f} MB")
+                          f"all-reduce {result.seconds:.2f} s, sent {result.bytes_sent / 1e6:.2f} MB, "
+                          f"{_throughput(record)}")
         else:
             self.log.warning(f"round {self.round + 1} not committed ({result.error}); θ_global kept, "
                              f"training continues from θ_local")
@@ -288,6 +289,16 @@ class Peer:
             if self.dht is not None:
                 self.dht.shutdown()
             self.metrics.close()
+
+
+def _throughput(record: dict) -> str:
+    """'12,345 tokens/s, MFU 41.2 %, peak 17.3 GiB' from a round record (the parts the device can tell)."""
+    text = f"{record['train/tokens_per_s']:,.0f} tokens/s"
+    if record.get("train/mfu") is not None:
+        text += f", MFU {100 * record['train/mfu']:.1f} %"
+    if record.get("device/peak_memory_gb") is not None:
+        text += f", peak {record['device/peak_memory_gb']:.1f} GiB"
+    return text
 
 
 def _progress(total: int, desc: str, enabled: bool):

@@ -5,9 +5,11 @@ round's throughput figures. With one process that is the model on its device. Wi
 one per GPU) rank 0 is the peer: it alone talks to the swarm and holds θ_global and the outer momentum; ranks > 0
 run :meth:`Replica.follow`, obeying commands that rank 0 broadcasts over a gloo control group:
 
-  STEP  one inner step on every rank; DistributedDataParallel averages the gradients, so θ_local and the AdamW state
-        stay identical on all ranks; each rank reads its own data order; loss and tokens are summed over the ranks
-  LOAD  θ_local ← rank 0's θ_local (after a commit or a state download): one broadcast of the flat parameter buffer
+  STEP  one inner step on every rank (with rank 0's learning-rate schedule position, if it gives one);
+        DistributedDataParallel averages the gradients, so θ_local and the AdamW state stay identical on all ranks;
+        each rank reads its own data order; loss and tokens are summed over the ranks
+  LOAD  θ_local ← rank 0's θ_local (after a commit, a state download, or any change rank 0 makes to θ_local): one
+        broadcast of the flat parameter buffer
   DATA  each rank sends its data reader's position to rank 0, for rank 0's checkpoint
   STOP  leave the loop
 
@@ -127,14 +129,19 @@ class Replica:
         return self.ranks.world if self.ranks is not None else 1
 
     # ------------------------------------------------------------------------------------------------ rank 0
-    def step(self, next_batch: Callable[[], torch.Tensor]) -> StepResult:
-        """One inner step (on every rank); loss averaged and tokens summed over the ranks."""
-        self._command(STEP)
-        return self._step(next_batch)
+    def step(self, next_batch: Callable[[], torch.Tensor], position: Optional[float] = None) -> StepResult:
+        """One inner step (on every rank); loss averaged and tokens summed over the ranks. ``position``: the
+        learning-rate schedule's position for :meth:`InnerTrainer.step`, when the caller sets it."""
+        self._command(STEP, position)
+        return self._step(next_batch, position)
 
     def load(self, global_params: Sequence[torch.Tensor]) -> None:
         """θ_local ← θ_global on every rank."""
         load_params(self.params, global_params)
+        self.broadcast_local()
+
+    def broadcast_local(self) -> None:
+        """Rank 0's θ_local to every rank: call it after changing θ_local on rank 0 by any other means."""
         self._command(LOAD)
         self._broadcast_params()
 
@@ -193,26 +200,28 @@ class Replica:
         import torch.distributed as dist
 
         while True:
-            command = torch.zeros(1, dtype=torch.long)
-            dist.broadcast(command, src=0, group=self.ranks.control)
-            if command.item() == STEP:
-                self._step(data.train.next_batch)
-            elif command.item() == LOAD:
+            message = torch.zeros(2, dtype=torch.float64)
+            dist.broadcast(message, src=0, group=self.ranks.control)
+            command, value = int(message[0].item()), message[1].item()
+            if command == STEP:
+                self._step(data.train.next_batch, None if value != value else value)  # NaN: no position given
+            elif command == LOAD:
                 self._broadcast_params()
-            elif command.item() == DATA:
+            elif command == DATA:
                 dist.gather_object(data.train.state_dict(), None, dst=0, group=self.ranks.control)
             else:
                 return
 
     # ------------------------------------------------------------------------------------------------ both
-    def _command(self, command: int) -> None:
+    def _command(self, command: int, value: Optional[float] = None) -> None:
         if self.ranks is not None:
             import torch.distributed as dist
 
-            dist.broadcast(torch.tensor([command]), src=0, group=self.ranks.control)
+            message = torch.tensor([command, float("nan") if value is None else value], dtype=torch.float64)
+            dist.broadcast(message, src=0, group=self.ranks.control)
 
-    def _step(self, next_batch: Callable[[], torch.Tensor]) -> StepResult:
-        out = self.inner.step(next_batch)
+    def _step(self, next_batch: Callable[[], torch.Tensor], position: Optional[float] = None) -> StepResult:
+        out = self.inner.step(next_batch) if position is None else self.inner.step(next_batch, position)
         if self.ranks is None:
             return out
         import torch.distributed as dist
