@@ -70,6 +70,7 @@ def test_toml_types_are_checked(tmp_path):
     (["peer", "--config=/nonexistent/peer.toml"], "config file not found"),
     (["swarm", "--run.rounds=3"], "use --rounds"),
     (["peer", "--bogus"], "unrecognized arguments: --bogus"),
+    (["peer", "--nproc-per-node", "0"], "--nproc-per-node: must be >= 1"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
     out = _cli(*args)

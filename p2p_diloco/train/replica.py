@@ -96,9 +96,10 @@ def build_training(cfg: Config, name: str, ranks: Optional[Ranks]) -> Training:
     if ranks is not None:
         from torch.nn.parallel import DistributedDataParallel
 
-        # buffers (rotary frequencies) are computed identically everywhere: no per-step broadcast of them
+        # buffers (rotary frequencies) are computed identically everywhere: no per-step broadcast of them;
+        # gradients as views of DDP's buckets: no second copy of them (4 bytes per parameter)
         forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                          broadcast_buffers=False)
+                                          broadcast_buffers=False, gradient_as_bucket_view=True)
     total = schedule_total_steps(cfg.inner, cfg.run.rounds, cfg.diloco.inner_steps)
     return Training(device, data, model, InnerTrainer(model, cfg.inner, device, total, forward=forward))
 
