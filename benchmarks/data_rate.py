@@ -37,8 +37,6 @@ from common import median, table  # noqa: E402
 from p2p_diloco.config import DataConfig  # noqa: E402
 from p2p_diloco.train.corpus import embedded_documents  # noqa: E402
 from p2p_diloco.train.data import build_data  # noqa: E402
-from p2p_diloco.train.flops import flops_per_token  # noqa: E402
-from p2p_diloco.train.model import preset_config  # noqa: E402
 from p2p_diloco.train.tokenizers import load_tokenizer  # noqa: E402
 
 
@@ -107,11 +105,14 @@ def fed_rate(shards: Path, tokenizer: str, batch: int, seq_len: int, batches: in
 
 
 def demand_rows() -> list[list]:
+    from transformers import AutoModelForCausalLM  # imported here: --help stays quick
+
+    from p2p_diloco.train.flops import flops_per_token
+    from p2p_diloco.train.model import preset_config
+
     rows = []
     for name in ("150m", "400m", "1b"):
         with torch.device("meta"):
-            from transformers import AutoModelForCausalLM
-
             model = AutoModelForCausalLM.from_config(preset_config(name, 50257, 1024))
         per_token = flops_per_token(model, 1024)
         rows.append([name, f"{per_token / 1e9:.2f}", f"{0.4 * 989e12 / per_token:,.0f}",

@@ -15,6 +15,10 @@ per token over the device's bf16 peak (p2p_diloco/train/flops.py). Micro-batches
 2-peer swarm on the device (two processes sharing it) and checks that θ_global digests agree after every round.
 Target: peer / plain >= 0.97.
 
+A second table times a round's two transfers for each preset's parameters: δ = θ_global − θ_local into host buffers
+and θ_local ← θ_global, one tensor at a time (the reference, p2p_diloco/train/outer.py) against the bulk path the
+peer uses (p2p_diloco/train/transfer.py: flat device buffer, pinned host memory, pipelined pieces).
+
 Run:
 
     python benchmarks/gpu.py [--presets tiny,150m,400m,1b] [--steps 30] [--reps 3] [--swarm-check]
@@ -36,7 +40,6 @@ from common import demo_config, median, rounds_of, swarm_records, table
 from p2p_diloco.train.data import build_data
 from p2p_diloco.train.flops import flops_per_token, mfu, peak_flops
 from p2p_diloco.train.inner import autocast
-from p2p_diloco.train.model import build_model
 
 BATCH_80GB = {"tiny": 64, "60m": 64, "150m": 32, "400m": 32, "1b": 16}
 """Default micro-batches at 1024 tokens: the memory model's 80 GB figures rounded down to a power of two."""
@@ -71,6 +74,8 @@ def config_for(args, preset: str, batch: int, tokenizer: str):
 
 def plain_loop(cfg, steps: int, warmup: int) -> dict:
     """tokens/s, MFU and peak memory (GiB, CUDA only) of a bare loop with the peer's model and hyperparameters."""
+    from p2p_diloco.train.model import build_model  # imports transformers: not needed for --help
+
     device = torch.device(cfg.run.device)
     data = build_data(cfg.data, cfg.model.seq_len, cfg.inner.batch_size, "plain")
     batches = [data.train.next_batch().to(device) for _ in range(warmup + steps)]
@@ -113,6 +118,39 @@ def peer_loop(cfg, steps: int, tag: str) -> dict:
             "peak_gib": r.get("device/peak_memory_gb")}
 
 
+def transfer_times(cfg, vocab: int, reps: int) -> dict:
+    """Median seconds of δ and of θ_local ← θ_global for the preset's parameters: per tensor vs bulk."""
+    from p2p_diloco.train.model import build_model
+    from p2p_diloco.train.outer import load_into, pseudo_gradient
+    from p2p_diloco.train.transfer import DeltaTransfer, flatten_parameters, host_copy, load_params
+
+    device = torch.device(cfg.run.device)
+    model = build_model(cfg.model, vocab, cfg.run.seed).to(device)
+    flatten_parameters(model)
+    params = list(model.parameters())
+    global_params = host_copy(params, pin=device.type == "cuda")
+    out = [torch.empty_like(g, pin_memory=False) for g in global_params]
+    transfer = DeltaTransfer(params)
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(reps + 1):  # the first call allocates staging buffers and warms caches: not counted
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        return median(times[1:])
+
+    result = {"delta_ref": timed(lambda: pseudo_gradient(global_params, params, out)),
+              "delta_bulk": timed(lambda: transfer.pseudo_gradient(global_params, out)),
+              "load_ref": timed(lambda: load_into(params, global_params)),
+              "load_bulk": timed(lambda: load_params(params, global_params))}
+    return result  # its tensors are freed on return; main() empties the CUDA cache
+
+
 def swarm_check(cfg, steps: int) -> str:
     """Two peers sharing the device, 3 rounds: do their θ_global digests agree after every round?"""
     records = swarm_records(2, 3, steps, cfg, "gpu-swarm")
@@ -148,15 +186,24 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="measurements of each (default 3)")
     parser.add_argument("--threads", type=int, default=4, help="torch CPU threads per process (default 4)")
     parser.add_argument("--swarm-check", action="store_true", help="also run a 2-peer swarm on the device")
+    parser.add_argument("--transfers-only", action="store_true", help="only the table of round transfers")
     args = parser.parse_args()
     args.checkpointing = set(filter(None, args.checkpointing.split(",")))
     batches = {**BATCH_80GB, **{k: int(v) for k, v in (b.split("=") for b in args.batch)}}
     torch.set_num_threads(args.threads)
-    rows, notes = [], []
+    rows, notes, moves = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
         tokenizer = bpe_padded(Path(tmp) / "bpe", args.vocab)
         for preset in args.presets.split(","):
             cfg = config_for(args, preset, batches[preset], tokenizer)
+            t = transfer_times(cfg, args.vocab, args.reps)
+            gc.collect()
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()  # the next process on the device needs the memory
+            moves.append([preset, f"{t['delta_ref']:.3f}", f"{t['delta_bulk']:.3f}", f"{t['load_ref']:.3f}",
+                          f"{t['load_bulk']:.3f}", args.reps])
+            if args.transfers_only:
+                continue
             plain, peer = [], []
             for rep in range(args.reps):
                 plain.append(plain_loop(cfg, args.steps, args.warmup))
@@ -171,8 +218,11 @@ def main() -> None:
                 notes.append(swarm_check(cfg, args.steps))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"device: {device}; vocabulary {args.vocab}; {args.steps} timed steps")
-    print(table(["preset", "batch", "plain tokens/s", "peer tokens/s", "peer / plain", "MFU plain", "MFU peer",
-                 "peak GiB plain", "peak GiB peer", "runs"], rows))
+    if rows:
+        print(table(["preset", "batch", "plain tokens/s", "peer tokens/s", "peer / plain", "MFU plain", "MFU peer",
+                     "peak GiB plain", "peak GiB peer", "runs"], rows))
+    print(table([f"preset (vocab {args.vocab})", "δ per tensor s", "δ bulk s", "θ_local ← θ_global per tensor s",
+                 "θ_local ← θ_global bulk s", "runs"], moves))
     for note in notes:
         print(note)
 

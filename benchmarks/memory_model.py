@@ -27,11 +27,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from common import table
-
-from p2p_diloco.train.model import PRESETS, preset_config
 
 GIB = 2 ** 30
 CONTEXT_BYTES = 1 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers: outside torch's allocator
@@ -40,6 +37,8 @@ FRAGMENTATION = 0.10  # share of the remaining memory the caching allocator cann
 
 def saved_bytes(config, batch: int, seq_len: int) -> int:
     """Bytes of the tensors autograd saves in one forward of ``config`` (bf16 autocast, SDPA), parameters excluded."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
@@ -58,6 +57,10 @@ def saved_bytes(config, batch: int, seq_len: int) -> int:
 
 def measure(name: str, vocab: int, seq_len: int) -> dict:
     """Per-sequence activations of the whole preset (A), the batch-independent saved part (W), and P."""
+    from transformers import AutoModelForCausalLM
+
+    from p2p_diloco.train.model import preset_config
+
     base = preset_config(name, vocab, seq_len)
     s = {}
     for layers in (1, 2):
@@ -95,6 +98,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=50257, help="vocabulary (default 50257: gpt2's)")
     parser.add_argument("--presets", default="150m,400m,1b", help="comma-separated (default 150m,400m,1b)")
     args = parser.parse_args()
+    from p2p_diloco.train.model import PRESETS  # imported after parsing: --help stays quick
+
     torch.set_num_threads(1)
     rows = []
     for name in args.presets.split(","):
