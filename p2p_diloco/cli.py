@@ -1,4 +1,4 @@
-"""``p2p-diloco``: bootstrap | peer | swarm. Thin: parse, build, run, and clean up in ``finally``.
+"""``p2p-diloco``: bootstrap | peer | swarm | status | export | generate | plot. Thin: parse, build, run, and clean up in ``finally``.
 
 Bad input (unknown key, wrong type, missing file, unreachable initial peer) prints one line and exits with code 2.
 """
@@ -33,6 +33,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.argv = argv  # for a peer that relaunches itself under torchrun
         if unknown:
             raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (config keys look like --section.key=value)")
+        if overrides and not getattr(args, "reads_config", True):
+            raise ConfigError(f"{argv[0]}: takes no config keys (got --{next(iter(overrides))})")
         return args.func(args, overrides)
     except (ConfigError, JoinError) as e:
         _fail(str(e))
@@ -53,12 +55,15 @@ def _parser() -> argparse.ArgumentParser:
 
     def command(name: str, help_text: str, func, sections: Optional[list[str]],
                 defaults: Optional[dict] = None) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=argparse.RawDescriptionHelpFormatter,
-                           epilog="config keys (in a TOML file under [section], or as --section.key=value):\n"
-                                  + describe(sections, defaults))
-        p.add_argument("--config", metavar="FILE", help="TOML config file; --section.key=value flags override it")
-        p.set_defaults(func=func)
+        if sections == []:  # a command that reads no config
+            p = sub.add_parser(name, help=help_text, description=help_text)
+        else:
+            p = sub.add_parser(name, help=help_text, description=help_text,
+                               formatter_class=argparse.RawDescriptionHelpFormatter,
+                               epilog="config keys (in a TOML file under [section], or as --section.key=value):\n"
+                                      + describe(sections, defaults))
+            p.add_argument("--config", metavar="FILE", help="TOML config file; --section.key=value flags override it")
+        p.set_defaults(func=func, reads_config=sections != [])
         return p
 
     from p2p_diloco.ops.bootstrap import DEFAULTS as BOOTSTRAP_DEFAULTS
@@ -87,6 +92,41 @@ def _parser() -> argparse.ArgumentParser:
                    help="inject seeded failures: SIGKILLs during an all-reduce, inner steps or matchmaking and "
                         "while serving state, a graceful leave, two joins, a bootstrap kill (needs --peers >= 3, "
                         "--rounds >= 6)")
+    s.add_argument("--no-report", action="store_true",
+                   help="skip the text sample from the final θ_global and the plots at the end of the run")
+
+    st = command("status", "Show a live run from the DHT, read-only: each peer's round, digest agreement, speed, "
+                 "reachability, last all-reduce; the run's round and tokens.", _cmd_status,
+                 ["network", "run", "averaging"])
+    st.add_argument("--initial-peers", metavar="MADDR[,MADDR]",
+                    help="multiaddrs of any live node of the run (same as --network.initial_peers)")
+    st.add_argument("--watch", type=float, nargs="?", const=5.0, default=None, metavar="SECONDS",
+                    help="refresh every SECONDS (default 5) until Ctrl-C")
+    st.add_argument("--json", action="store_true", help="print JSON (one object per refresh) instead of a table")
+
+    e = command("export", "Write θ_global of a run as a Hugging Face folder (config, safetensors, tokenizer).",
+                _cmd_export, [])
+    e.add_argument("run_dir", metavar="RUN_DIR", help="a peer's run folder, or a swarm's (its peers' folders inside)")
+    e.add_argument("out", metavar="OUT", help="folder to write (must not exist, or be empty)")
+    e.add_argument("--round", type=int, default=None,
+                   help="that round, from a checkpoint at it or a peer's export (run.export_every); default: the "
+                        "latest round saved")
+
+    g = command("generate", "Print sampled continuations of a prompt from θ_global of a run or an exported folder.",
+                _cmd_generate, [])
+    g.add_argument("--run-dir", required=True, metavar="DIR", help="a run folder (peer or swarm) or an exported folder")
+    g.add_argument("--prompt", required=True, help="the text to continue")
+    g.add_argument("--samples", type=int, default=3, help="continuations to draw (default 3)")
+    g.add_argument("--max-new-tokens", type=int, default=100, help="tokens per continuation (default 100)")
+    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8)")
+    g.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default 50)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text (default 0)")
+    g.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+
+    pl = command("plot", "Draw a run's metrics as PNGs: loss per peer, round timeline, group size and traffic.",
+                 _cmd_plot, [])
+    pl.add_argument("run_dir", metavar="RUN_DIR", help="a peer's run folder, or a swarm's")
+    pl.add_argument("--out", metavar="DIR", default=None, help="folder for the PNGs (default: RUN_DIR)")
     return parser
 
 
@@ -147,10 +187,58 @@ def _cmd_swarm(args, overrides: dict[str, str]) -> int:
         raise ConfigError("--chaos: needs --peers >= 3 and --rounds >= 6")
     # validate everything before starting a single process; peers then read one effective config file
     cfg = load_config(args.config, overrides, defaults=DEMO_DEFAULTS)
+    if not args.no_report and cfg.run.sample_every == 0:
+        cfg.run.sample_every = args.rounds  # the peers log a text sample of the final θ_global for the report
     peer_args = write_peer_config(args.run_dir, cfg)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # a TERM must end the children too, as Ctrl+C does
     return run_swarm(args.peers, args.rounds, args.inner_steps, args.run_dir, peer_args, timeout=args.timeout,
-                     chaos=args.chaos, echo=lambda s: print(s, flush=True))
+                     chaos=args.chaos, echo=lambda s: print(s, flush=True), report=not args.no_report)
+
+
+def _cmd_status(args, overrides: dict[str, str]) -> int:
+    if args.initial_peers:
+        overrides = {"network.initial_peers": args.initial_peers, **overrides}
+    cfg = load_config(args.config, overrides)
+    if not cfg.network.initial_peers:
+        raise ConfigError("status: needs --initial-peers (the multiaddr of any live node of the run)")
+    if args.watch is not None and args.watch <= 0:
+        raise ConfigError(f"--watch: must be > 0, got {args.watch}")
+    from p2p_diloco.ops.status import run_status
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)  # stdout carries the view (JSON for scripts)
+    stop = threading.Event()
+    _on_stop_signals(stop)
+    return run_status(cfg, args.watch, args.json, stop, echo=lambda s: print(s, flush=True))
+
+
+def _cmd_export(args, overrides: dict[str, str]) -> int:
+    from p2p_diloco.ops.export import export_run
+
+    round_, out = export_run(args.run_dir, args.out, args.round)
+    print(f"θ_global of round {round_} exported to {out}: load it with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
+def _cmd_generate(args, overrides: dict[str, str]) -> int:
+    for flag in ("samples", "max_new_tokens", "top_k"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    if args.temperature <= 0:
+        raise ConfigError(f"--temperature: must be > 0, got {args.temperature}")
+    from p2p_diloco.ops.generate import run_generate
+
+    run_generate(args.run_dir, args.prompt, args.samples, args.max_new_tokens, args.temperature, args.top_k,
+                 args.seed, args.device, echo=print)
+    return 0
+
+
+def _cmd_plot(args, overrides: dict[str, str]) -> int:
+    from p2p_diloco.ops.plot import write_plots
+
+    for path in write_plots(args.run_dir, args.out):
+        print(path)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- helpers

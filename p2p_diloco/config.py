@@ -188,6 +188,28 @@ class RunConfig:
                              "same peer; ranks > 0 wait for rank 0 while it averages or fetches state, so keep it "
                              "above those waits. A rank that dies is noticed at once, not after this", "s",
                              _positive, "must be > 0")
+    export_every: int = _f(0, "write θ_global as a Hugging Face folder to run_dir/exports/round-NNNNNN every K "
+                           "committed rounds (kept: 'p2p-diloco export --round' reads them); 0: never", "rounds",
+                           _non_negative, "must be >= 0")
+    sample_every: int = _f(0, "log a short text sample of θ_global (run.sample_prompt continued by 100 tokens, seed "
+                           "0) as a metrics record every K committed rounds; 0: never", "rounds", _non_negative,
+                           "must be >= 0")
+    sample_prompt: str = _f("The ", "the prompt of those samples")
+    tensorboard: bool = _f(False, "also write metrics as TensorBoard event files to run_dir/tensorboard",
+                           check=lambda on: not on or _installed("tensorboard"),
+                           rule="needs the tensorboard package: pip install 'p2p-diloco[tensorboard]'")
+    wandb_project: Optional[str] = _f(None, "also log metrics to this Weights & Biases project (files under "
+                                      "run_dir/wandb); None: off", check=lambda _: _installed("wandb"),
+                                      rule="needs the wandb package: pip install 'p2p-diloco[wandb]'")
+    wandb_mode: str = _f("offline", "W&B mode: offline writes locally and never touches the network (upload "
+                         "later with 'wandb sync'); online streams to the W&B server", choices=("offline", "online"))
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (optional extras are checked on load)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def _valid_fault(text) -> bool:
@@ -415,3 +437,9 @@ def _toml_value(value) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return json.dumps(value)  # a JSON string is a valid TOML basic string
+
+
+def config_from_dict(data: dict) -> Config:
+    """The inverse of :meth:`Config.to_dict` (e.g. the config saved in a checkpoint), validated like a file."""
+    flat = {f"{section}.{key}": value for section, values in data.items() for key, value in values.items()}
+    return load_config(defaults=flat)

@@ -26,7 +26,7 @@ import torch
 from p2p_diloco.config import Config, ConfigError
 from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.ops.faults import parse_fault
-from p2p_diloco.ops.metrics import JsonlSink, MetricsSink
+from p2p_diloco.ops.metrics import MetricsSink, build_sink
 from p2p_diloco.train.global_state import GlobalState
 from p2p_diloco.train.inner import evaluate
 from p2p_diloco.train.model import count_parameters, model_fingerprint
@@ -52,6 +52,7 @@ class Peer:
         self.tokens_since_commit = 0  # weight of the next contribution
         self.tokens_trained = 0  # tokens of all inner steps this peer has run in this run
         self.metrics: MetricsSink = MetricsSink()
+        self._sampler = None  # ops.generate.Generator over self.model, made at the first text sample
         self.log = logger
         self._closed = False
 
@@ -70,7 +71,7 @@ class Peer:
         self.state = GlobalState(params, outer)
         self.fingerprint = self._fingerprint()
         resumed = self._resume()
-        self.metrics = JsonlSink(self.run_dir / "metrics.jsonl")
+        self.metrics = build_sink(cfg, self.run_dir, self.name)
         if self.averager is None:
             self._join_swarm()
         origin = f" from {cfg.model.init_from}" if cfg.model.init_from else ""
@@ -146,8 +147,16 @@ class Peer:
                       "time/round_s": time.perf_counter() - begun}
             self._log_round(result, committed, train_loss, tokens, timing)
             self._report(result, tokens, timing["time/inner_s"])
-            if committed and self.cfg.run.checkpoint_every and self.round % self.cfg.run.checkpoint_every == 0:
-                self.save()
+            if committed:
+                self._after_commit()
+
+    def _after_commit(self) -> None:
+        """What is due on the new θ_global: a checkpoint, an export, a text sample (each every K rounds)."""
+        run = self.cfg.run
+        for every, action in ((run.checkpoint_every, self.save), (run.export_every, self.export),
+                              (run.sample_every, self.sample)):
+            if every and self.round % every == 0:
+                action()
 
     def _finished(self, roster) -> bool:
         if self.cfg.run.rounds is not None and self.round >= self.cfg.run.rounds:
@@ -218,7 +227,9 @@ class Peer:
                   "error": result.error, **timing, **self.replica.round_stats(tokens, timing["time/inner_s"])}
         eval_every = self.cfg.run.eval_every
         if committed and eval_every and self.round % eval_every == 0:
+            begun = time.perf_counter()
             record["eval/loss"] = self._evaluate()
+            record["time/eval_s"] = time.perf_counter() - begun
         self.metrics.log(record)
         if committed:
             ev = f", eval {record['eval/loss']:.4f}" if "eval/loss" in record else ""
@@ -252,6 +263,31 @@ class Peer:
     def save(self) -> None:
         with self.state.lock:
             save_checkpoint(self.run_dir, self.checkpoint_state())
+
+    def export(self) -> None:
+        """θ_global as a Hugging Face folder, ``run_dir/exports/round-NNNNNN`` (θ_local equals θ_global here)."""
+        from p2p_diloco.ops.export import export_path, save_hf_folder
+
+        path = export_path(self.run_dir, self.round)
+        save_hf_folder(self.model, self.cfg, path, info={"round": self.round, "peer": self.name})
+        self.metrics.log({"event": "export", "peer": self.name, "round": self.round, "path": str(path)})
+        self.log.info(f"round {self.round}: θ_global exported to {path}")
+
+    def sample(self) -> None:
+        """A short continuation of ``run.sample_prompt`` by θ_global, as a metrics record (never fails the run)."""
+        from p2p_diloco.ops.generate import SAMPLE_TOKENS, Generator, sample
+
+        prompt = self.cfg.run.sample_prompt
+        try:
+            if self._sampler is None:
+                from p2p_diloco.ops.export import hf_tokenizer
+
+                self._sampler = Generator(self.model, hf_tokenizer(self.cfg, self.cfg.model.seq_len), self.name)
+            text = sample(self._sampler, prompt, samples=1, max_new_tokens=SAMPLE_TOKENS, seed=0)[0]
+        except Exception as e:  # noqa: BLE001 - a sample is for people watching: it must not stop training
+            self.log.warning(f"round {self.round}: text sample failed: {e!r}")
+            return
+        self.metrics.log({"event": "sample", "peer": self.name, "round": self.round, "prompt": prompt, "text": text})
 
     def _resume(self) -> bool:
         saved = load_checkpoint(self.run_dir)

@@ -3,6 +3,7 @@ no process carrying its tag (peers, their DHT and averager processes, p2pd daemo
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import signal
@@ -41,8 +42,33 @@ def process_tag(monkeypatch):
     Leftovers fail the test, and are then ended (by PID) so one failure does not poison later tests."""
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG_VAR, tag)
+    with none_left(tag):
+        yield tag
+
+
+@pytest.fixture(scope="module")
+def module_process_tag():
+    """:func:`process_tag` for a module's shared fixture (e.g. one swarm that several tests look at)."""
+    tag = uuid.uuid4().hex
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(TAG_VAR, tag)
+        with none_left(tag):
+            yield tag
+
+
+@contextlib.contextmanager
+def none_left(tag: str):
+    """On exit, wait briefly for processes tagged ``tag`` to end, end the leftovers by PID, remove the p2pd
+    sockets they left, and fail if there were any (cleaning up also when the block raised)."""
     socks_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "hivemind-*.sock")))
-    yield tag
+    try:
+        yield
+    finally:
+        described = _end_leftovers(tag, socks_before)
+    assert not described, f"processes left running: {described}"
+
+
+def _end_leftovers(tag: str, socks_before: set[str]) -> dict[int, str]:
     deadline = time.monotonic() + 5  # daemons told to stop may take a moment to exit
     while (leftovers := tagged_pids(tag)) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -60,7 +86,7 @@ def process_tag(monkeypatch):
             os.unlink(sock)
         except OSError:
             pass
-    assert not leftovers, f"processes left running: {described}"
+    return described
 
 
 def bound_unix_paths() -> set[str]:

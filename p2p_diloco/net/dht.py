@@ -4,6 +4,11 @@ Keys (all under the run's prefix ``{run_id}_{fingerprint}``, so runs and model s
   * ``{prefix}.0b...``           hivemind matchmaking (written by hivemind's averager)
   * ``{prefix}.all_averagers``   state donors, priority = round (written by hivemind's averager)
   * ``{prefix}.roster``          every peer's PeerStatus (round, digest of θ_global and momentum, leaving)
+
+Run-level keys (``{safe_run_id}``: the run_id with characters other than letters, digits, ``_`` and ``-`` as ``_``):
+  * ``{safe_run_id}.runs``       index of the run's prefixes: subkey = prefix, value = {"fingerprint": ...},
+                                 refreshed with the roster heartbeat, so ``p2p-diloco status`` finds every
+                                 prefix of a run knowing only its run_id
 """
 
 from __future__ import annotations
@@ -42,10 +47,14 @@ class DHT(hivemind.DHT):
         super().run()
 
 
+def safe_run_id(run_id: str) -> str:
+    """``run_id`` with every character other than letters, digits, ``_`` and ``-`` replaced by ``_``."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", run_id)
+
+
 def run_prefix(run_id: str, fingerprint: str) -> str:
     """Namespace of one run: peers with another run_id, model or codec never group with us."""
-    safe = re.sub(r"[^A-Za-z0-9_-]", "_", run_id)
-    return f"{safe}_{fingerprint}"
+    return f"{safe_run_id(run_id)}_{fingerprint}"
 
 
 def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None) -> DHT:
@@ -134,3 +143,31 @@ def read_roster(dht: hivemind.DHT, prefix: str, timeout: float) -> list[PeerStat
         except (TypeError, AttributeError):
             continue
     return roster
+
+
+# ---------------------------------------------------------------------------------------------- the run index
+# {safe_run_id}.runs: one subkey per prefix of the run, value = {"fingerprint": ...}, expiring unless refreshed.
+
+def run_index_key(run_id: str) -> str:
+    return f"{safe_run_id(run_id)}.runs"
+
+
+def publish_run_index(dht: hivemind.DHT, run_id: str, prefix: str, fingerprint: str, ttl: float) -> None:
+    """Announce that ``prefix`` belongs to ``run_id`` for ``ttl`` seconds, without waiting for the store: the
+    roster heartbeat that calls this must stay on time (a late heartbeat lets a live peer's entry expire), and
+    a lost announcement only hides the run from ``status`` until the next heartbeat."""
+    dht.store(run_index_key(run_id), subkey=prefix, value={"fingerprint": fingerprint},
+              expiration_time=get_dht_time() + ttl, return_future=True)  # the future is dropped: nobody waits
+
+
+def read_run_index(dht: hivemind.DHT, run_id: str, timeout: float) -> list[str]:
+    """The prefixes of ``run_id`` announced within the roster TTL, sorted; [] if none or the DHT does not answer."""
+    future = dht.get(run_index_key(run_id), latest=True, return_future=True)
+    try:
+        found = future.result(timeout=timeout)
+    except Exception as e:
+        logger.debug(f"reading the run index failed: {e!r}")
+        return []
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return sorted(str(prefix) for prefix in found.value)

@@ -3,6 +3,8 @@
 
 * Roster: every peer publishes its :class:`PeerStatus` under ``{prefix}.roster`` and refreshes it every
   ``averaging.roster_ttl`` / 3 seconds (heartbeat thread); an entry expires ``roster_ttl`` seconds after the last one.
+  The heartbeat also refreshes the run index (``{safe_run_id}.runs``) through which ``p2p-diloco status`` finds
+  the run's prefix knowing only its run_id.
 * Sync: before contributing, a peer compares itself with the live roster (:func:`consensus.sync_target`); if the
   run moved past its θ_global, or most peers hold other bytes for its round, it downloads the run's state from a
   peer that holds it and checks it against the donor's digest and the roster's.
@@ -18,7 +20,7 @@ from typing import Optional
 
 from p2p_diloco.config import Config, ConfigError
 from p2p_diloco.net.consensus import PeerStatus, SyncTarget, majority_state, sync_target
-from p2p_diloco.net.dht import publish_status, read_roster
+from p2p_diloco.net.dht import publish_run_index, publish_status, read_roster
 from p2p_diloco.ops.metrics import MetricsSink
 from p2p_diloco.train.global_state import GlobalState
 from p2p_diloco.train.outer import state_digests
@@ -59,8 +61,14 @@ class Membership:
     def live_roster(self) -> list[PeerStatus]:
         return [s for s in self.roster() if not s.leaving]
 
+    def announce_run(self) -> None:
+        """Keep this prefix in the run index (for ``p2p-diloco status``), for one roster TTL."""
+        publish_run_index(self.dht, self.cfg.run.run_id, self.prefix, self.fingerprint,
+                          ttl=self.cfg.averaging.roster_ttl)
+
     def enter(self) -> None:
-        """Appear in the roster, serve our state, and keep the entry fresh until :meth:`leave`."""
+        """Appear in the roster and the run index, serve our state, and keep both fresh until :meth:`leave`."""
+        self.announce_run()
         self.state_changed()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="roster-heartbeat", daemon=True)
         self._heartbeat.start()
@@ -68,6 +76,7 @@ class Membership:
     def _heartbeat_loop(self) -> None:
         while not self._closed.wait(self.cfg.averaging.roster_ttl / 3):
             self.publish()
+            self.announce_run()
 
     def state_changed(self) -> None:
         """Our θ_global moved (commit or download): tell the roster, and serve the new state."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from p2p_diloco.config import dump_toml
+from p2p_diloco.errors import first_line, printable
 from p2p_diloco.ops.metrics import read_jsonl
 from p2p_diloco.ops.procs import stop_groups
 
@@ -34,6 +35,7 @@ DEMO_DEFAULTS = {
     "averaging.request_timeout": 3.0,
     "averaging.next_chunk_timeout": 15.0,
     "averaging.roster_ttl": 6.0,  # loopback: a heartbeat every 2 s is cheap, and a dead peer stops counting soon
+    "run.sample_prompt": "Return the ",  # the embedded corpus is Python's docstrings: many of them start like this
 }
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 # keys the swarm sets for each peer, and the swarm flag (if any) to use instead
@@ -171,9 +173,10 @@ def write_peer_config(run_dir: str | Path, cfg) -> list[str]:
 
 def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_args: list[str],
               timeout: Optional[float] = None, chaos: Optional[int] = None, plan: Optional[ChaosPlan] = None,
-              echo=print) -> int:
+              echo=print, report: bool = False) -> int:
     """Run a whole swarm to completion; write ``run_dir/summary.json``; return 0 if every peer finished cleanly
-    (or was failed on purpose by ``chaos`` or ``plan``) and every round's θ_global hashes agree."""
+    (or was failed on purpose by ``chaos`` or ``plan``) and every round's θ_global hashes agree. ``report``: then
+    print a sample of the final θ_global and write the plots (:func:`report_run`), unless interrupted."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if plan is None:
@@ -183,6 +186,7 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
     table = RoundTable(echo)
     events = EventLog(echo)
     start = time.monotonic()
+    interrupted = False
     try:
         maddrs = swarm.start_bootstrap()
         echo(f"bootstrap node at {maddrs[0]}")
@@ -214,6 +218,7 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
                 break
             time.sleep(0.5)  # polling the peers' metrics files to print rounds as they commit
     except KeyboardInterrupt:
+        interrupted = True
         echo("swarm: interrupted; stopping every process")
     finally:
         swarm.close()
@@ -225,7 +230,31 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
     failed = {n: c for n, c in exit_codes.items() if c != 0 and not (c == -signal.SIGKILL and n in plan.faults)}
     echo(f"swarm: {len(summary['rounds'])} rounds in {time.monotonic() - start:.0f} s; summary in "
          f"{run_dir / 'summary.json'}" + (f"; peers that failed: {failed}" if failed else ""))
+    if report and not interrupted and summary["rounds"]:
+        report_run(run_dir, swarm.peers, echo)
     return 0 if not failed and all(_hashes_agree(r) for r in summary["rounds"]) else 1
+
+
+def report_run(run_dir: Path, peers: dict[str, Child], echo) -> None:
+    """What a newcomer wants to see after a run: the text sample the peers logged from the final θ_global
+    (``run.sample_every``), and the plots (when matplotlib is installed). Neither may fail the run."""
+    from p2p_diloco.ops.plot import MISSING_MATPLOTLIB, matplotlib_available, write_plots
+
+    samples = [r for child in peers.values() for r in read_jsonl(child.run_dir / "metrics.jsonl")
+               if r.get("event") == "sample"]
+    if samples:
+        last = max(samples, key=lambda r: r["round"])
+        echo(f"sample from θ_global of round {last['round']} (logged by {last['peer']}; seed 0; more with "
+             f"p2p-diloco generate --run-dir {run_dir} --prompt TEXT):")
+        echo("  " + printable(last["prompt"] + last["text"]).replace("\n", "\n  "))
+    if not matplotlib_available():
+        echo(f"plots: skipped ({MISSING_MATPLOTLIB})")
+        return
+    try:
+        paths = write_plots(run_dir)
+        echo(f"plots: {', '.join(p.name for p in paths)} in {run_dir}")
+    except Exception as e:  # noqa: BLE001
+        echo(f"plots: failed: {first_line(e)}")
 
 
 def _act(swarm: LocalSwarm, events: "EventLog", after_round: int, kind: str, name: str) -> None:
