@@ -31,7 +31,7 @@ from p2p_diloco.train.global_state import GlobalState
 from p2p_diloco.train.inner import evaluate
 from p2p_diloco.train.model import count_parameters, model_fingerprint
 from p2p_diloco.train.outer import build_outer_optimizer
-from p2p_diloco.train.replica import Replica, build_training, join_ranks, share_name
+from p2p_diloco.train.replica import Replica, build_training, join_ranks, share_setup
 from p2p_diloco.train.transfer import host_copy
 
 logger = logging.getLogger("p2p_diloco")
@@ -62,7 +62,8 @@ class Peer:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.ranks = join_ranks(cfg.run)  # None unless torchrun started this peer as one process per GPU
-        training = build_training(cfg, share_name(self.name, self.ranks), self.ranks)
+        share_setup(self.name, cfg, self.ranks)  # ranks > 0 take rank 0's name and config
+        training = build_training(cfg, self.name, self.ranks)
         self.device, self.data, self.model, self.inner = training.device, training.data, training.model, training.inner
         self.replica = Replica(training, self.ranks, cfg)  # θ_local and the inner steps, on every rank
         params = host_copy(self.model.parameters(), pin=self.device.type == "cuda")  # θ_global: fp32, host

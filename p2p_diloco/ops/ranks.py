@@ -46,7 +46,7 @@ def run_follower(cfg: Config) -> int:
     """Ranks > 0: build the same training as rank 0, take up rank 0's checkpoint if there is one, and follow rank
     0's commands until it says stop. Signals are left to rank 0, which stops the peer in order (it finishes the
     step, leaves the run, saves, then releases the ranks); a rank whose group breaks exits with an error."""
-    from p2p_diloco.train.replica import Replica, build_training, join_ranks, share_name
+    from p2p_diloco.train.replica import Replica, build_training, join_ranks, share_setup
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -55,7 +55,8 @@ def run_follower(cfg: Config) -> int:
         import torch
 
         torch.set_num_threads(cfg.run.threads)
-    training = build_training(cfg, share_name("", ranks), ranks)
+    name, cfg = share_setup("", cfg, ranks)  # rank 0's: the same model, data source and schedule
+    training = build_training(cfg, name, ranks)
     replica = Replica(training, ranks, cfg)
     saved = load_checkpoint(cfg.run.run_dir)
     if saved is not None:  # rank 0 resumes from the same file (and refuses it if it is another run's)

@@ -104,15 +104,16 @@ def build_training(cfg: Config, name: str, ranks: Optional[Ranks]) -> Training:
     return Training(device, data, model, InnerTrainer(model, cfg.inner, device, total, forward=forward))
 
 
-def share_name(name: str, ranks: Optional[Ranks]) -> str:
-    """Rank 0's peer name, on every rank (ranks > 0 derive their data order from it)."""
+def share_setup(name: str, cfg: Config, ranks: Optional[Ranks]) -> tuple[str, Config]:
+    """Rank 0's peer name and config, on every rank: ranks > 0 derive their data order from the name, and build
+    exactly rank 0's model and inner loop even where rank 0's config was completed at start (e.g. from the run)."""
     if ranks is None:
-        return name
+        return name, cfg
     import torch.distributed as dist
 
-    box = [name]
+    box = [name, cfg]
     dist.broadcast_object_list(box, src=0, group=ranks.control)
-    return box[0]
+    return box[0], box[1]
 
 
 class Replica:
