@@ -32,6 +32,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         overrides, rest = parse_overrides(argv)
         args, unknown = parser.parse_known_args(rest)
+        args.argv = argv  # for a peer that relaunches itself under torchrun
         if unknown:
             raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (config keys look like --section.key=value)")
         if overrides and not getattr(args, "reads_config", True):
@@ -95,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
                 _cmd_peer, None)
     p.add_argument("--initial-peers", metavar="MADDR[,MADDR]",
                    help="multiaddrs of any live node of the run (same as --network.initial_peers)")
+    p.add_argument("--nproc-per-node", type=int, metavar="K",
+                   help="run this peer as K processes, one per GPU of this machine (data parallel inside the peer; "
+                        "the same as starting it with torchrun --standalone --nproc-per-node K -m p2p_diloco peer)")
 
     d = command("doctor", "Check this machine's view of a swarm (initial peers, reachability, relay, clock, shared "
                 "memory, disk, GPU): one verdict per line, to paste into an issue.", _cmd_doctor, None)
@@ -171,6 +175,19 @@ def _cmd_peer(args, overrides: dict[str, str]) -> int:
         overrides = {"network.initial_peers": args.initial_peers, **overrides}
     given: set[str] = set()  # the keys set by files and flags: the run's published settings complete the others
     cfg = load_config(args.config, overrides, given=given)  # bad input fails here, before the slow imports below
+    from p2p_diloco.ops import ranks
+
+    if args.nproc_per_node is not None:
+        if args.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node: must be >= 1, got {args.nproc_per_node}")
+        command = ranks.torchrun_argv(args.nproc_per_node, args.argv)
+        os.execv(command[0], command)
+    rank = ranks.rank()
+    if rank is not None:
+        ranks.as_torchrun_worker()
+    if rank:
+        _setup_logging(f"{cfg.run.name or 'peer'}/rank{rank}")
+        return ranks.run_follower(cfg)
     from p2p_diloco.peer import Peer
 
     peer = Peer(cfg, given=given)

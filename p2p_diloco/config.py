@@ -54,6 +54,15 @@ class ModelConfig:
     name: str = _f("tiny", "preset (tiny, 60m, 150m, 400m, 1b) or a path to a Hugging Face config.json or its folder",
                    shared=True)
     seq_len: int = _f(128, "sequence length of a training sample", "tokens", _positive, "must be > 0", shared=True)
+    init_from: Optional[str] = _f(None, "start from a pretrained Hugging Face checkpoint: a local folder (saved with "
+                                  "save_pretrained; offline) or a hub name (downloaded once into the Hugging Face "
+                                  "cache); its weights are θ_global at round 0 on every peer, its architecture "
+                                  "replaces model.name, and data.tokenizer='auto' takes its tokenizer. A run-wide "
+                                  "setting: peers check before round 1 that they start from the same bytes",
+                                  shared=True)
+    gradient_checkpointing: bool = _f(False, "recompute each layer's activations in the backward pass instead of "
+                                      "keeping them: about a third more compute for much less memory (larger "
+                                      "micro-batches; see peers/*.toml). A per-machine choice: results are the same")
 
 
 @dataclass
@@ -65,14 +74,24 @@ class DataConfig:
                                        shared=True)
     split: str = _f("train", "dataset split to train on", shared=True)
     text_field: str = _f("text", "name of the text column", shared=True)
-    streaming: bool = _f(True, "stream hub datasets instead of downloading them whole (local files are never streamed)")
-    tokenizer: str = _f("byte", "'byte' (256-symbol byte-level tokenizer) or a Hugging Face tokenizer name or path",
-                        shared=True)
+    streaming: bool = _f(True, "stream hub datasets instead of downloading them whole (local files: see "
+                          "stream_files)")
+    tokenizer: str = _f("auto", "'byte' (256-symbol byte-level tokenizer), a Hugging Face tokenizer name or path, or "
+                        "'auto': model.init_from's own tokenizer when that is set, else 'byte'", shared=True)
     eval_fraction: float = _f(0.02, "share of the data held out for evaluation (local data; hub streams hold out "
                               "their first documents)", "fraction", lambda x: 0 < x < 0.5, "must be in (0, 0.5)",
                               shared=True)
     eval_batches: int = _f(4, "batches in one held-out evaluation", "batches", _positive, "must be > 0", shared=True)
     seed: int = _f(0, "seed mixed with the peer name to pick each peer's data order", shared=True)
+    stream_files: bool = _f(False, "read a local file or folder through the same streamed reader as hub datasets "
+                            "(shuffle buffer, packed documents) instead of loading it whole: for local corpora larger "
+                            "than memory, e.g. hub files downloaded beforehand on an offline machine")
+    prefetch_batches: int = _f(8, "batches of streamed data tokenized ahead on a background thread, so tokenizing "
+                               "overlaps the inner steps; 0: tokenize in the training loop", "batches",
+                               _non_negative, "must be >= 0")
+    tokenizer_threads: int = _f(1, "threads tokenizing streamed documents (Hugging Face tokenizers release the GIL, "
+                                "so each uses a core); raise it when one core cannot keep up with the GPU (see "
+                                "BENCHMARKS.md)", "threads", _positive, "must be > 0")
 
 
 @dataclass
@@ -211,6 +230,15 @@ class RunConfig:
                                          "reaches this round, then join it; the local swarm uses it to time joins",
                                          "rounds", _positive, "must be > 0")
     seed: int = _f(0, "seed of the initial θ_global (must match across peers) and of dropout", shared=True)
+    compile: bool = _f(False, "torch.compile the model (the first inner step then takes minutes; later ones are "
+                       "faster, mostly on GPUs); a per-machine choice")
+    peak_tflops: Optional[float] = _f(None, "peak dense bf16 TFLOPS of one device, for the MFU in the metrics; "
+                                      "None: known GPUs are looked up by name (train/flops.py), others get no MFU",
+                                      "TFLOPS", _positive, "must be > 0")
+    rank_timeout: float = _f(3600.0, "multi-GPU peers (torchrun): longest wait of one process for another of the "
+                             "same peer; ranks > 0 wait for rank 0 while it averages or fetches state, so keep it "
+                             "above those waits. A rank that dies is noticed at once, not after this", "s",
+                             _positive, "must be > 0")
     export_every: int = _f(0, "write θ_global as a Hugging Face folder to run_dir/exports/round-NNNNNN every K "
                            "committed rounds (kept: 'p2p-diloco export --round' reads them); 0: never", "rounds",
                            _non_negative, "must be >= 0")

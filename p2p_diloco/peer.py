@@ -36,13 +36,13 @@ from p2p_diloco.net.reachability import explain_no_group
 from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.ops.faults import HOLD_FILE, parse_fault
 from p2p_diloco.ops.metrics import MetricsSink, build_sink
-from p2p_diloco.train.data import build_data
 from p2p_diloco.train.dylu import PROBE_STEPS, PaceMeter, RoundPlan, plan_round, schedule_position
 from p2p_diloco.train.global_state import GlobalState
-from p2p_diloco.train.inner import (InnerTrainer, RoundSteps, evaluate, progress_bar, resolve_device,
-                                    schedule_total_steps)
-from p2p_diloco.train.model import build_model, count_parameters, model_fingerprint
-from p2p_diloco.train.outer import build_outer_optimizer, load_into, pseudo_gradient, rebase
+from p2p_diloco.train.inner import RoundSteps, evaluate, progress_bar
+from p2p_diloco.train.model import count_parameters, model_fingerprint
+from p2p_diloco.train.outer import build_outer_optimizer, rebase
+from p2p_diloco.train.replica import Replica, build_training, join_ranks, share_setup
+from p2p_diloco.train.transfer import host_copy
 
 logger = logging.getLogger("p2p_diloco")
 
@@ -78,26 +78,28 @@ class Peer:
         cfg = self.cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
+        self.ranks = join_ranks(cfg.run)  # None unless torchrun started this peer as one process per GPU
         if self.averager is None:
             self._open_dht()  # before the model: the run's published settings may complete ours
             cfg = self.cfg
-        self.device = resolve_device(cfg.run.device)
-        self.data = build_data(cfg.data, cfg.model.seq_len, cfg.inner.batch_size, self.name)
-        self.model = build_model(cfg.model, self.data.vocab_size, cfg.run.seed).to(self.device)
-        params = [p.detach().to("cpu", torch.float32).clone() for p in self.model.parameters()]
+        share_setup(self.name, cfg, self.ranks)  # ranks > 0 take rank 0's name and (completed) config
+        training = build_training(cfg, self.name, self.ranks)
+        self.device, self.data, self.model, self.inner = training.device, training.data, training.model, training.inner
+        self.replica = Replica(training, self.ranks, cfg)  # θ_local and the inner steps, on every rank
+        params = host_copy(self.model.parameters(), pin=self.device.type == "cuda")  # θ_global: fp32, host
         outer = build_outer_optimizer(cfg.diloco.outer_optimizer, params, cfg.diloco.outer_lr,
                                       cfg.diloco.outer_momentum, cfg.diloco.dn_delay, cfg.diloco.dn_c)
         self.state = GlobalState(params, outer)
-        total = schedule_total_steps(cfg.inner, cfg.run.rounds, cfg.diloco.inner_steps)
-        self.inner = InnerTrainer(self.model, cfg.inner, self.device, total)
         self.fingerprint = self._fingerprint()
         self.metrics = build_sink(cfg, self.run_dir, self.name)
         if self.averager is None:
             self._join_swarm()  # stays out of the run until run.join_after_round
         resumed = self._resume()  # after that wait: a peer restarted in place takes its newest checkpoint
         self._ready = True  # our state is this run_dir's: close() may save it
-        self.log.info(f"model {count_parameters(self.model) / 1e6:.2f}M params, fingerprint {self.fingerprint}, "
-                      f"device {self.device}, {'resumed at' if resumed else 'starting at'} round {self.round}")
+        origin = f" from {cfg.model.init_from}" if cfg.model.init_from else ""
+        self.log.info(f"model {count_parameters(self.model) / 1e6:.2f}M params{origin}, fingerprint "
+                      f"{self.fingerprint}, device {self.device} x {self.replica.world} process(es), "
+                      f"{'resumed at' if resumed else 'starting at'} round {self.round}")
         if not resumed:
             eval_loss = self._evaluate()
             self.metrics.log({"event": "start", "run_id": self.cfg.run.run_id, "peer": self.name,
@@ -107,6 +109,8 @@ class Peer:
         if self.membership is not None:
             self.membership.enter()
             self.membership.wait_for_expected_peers()
+            if cfg.model.init_from is not None and not resumed:
+                self.membership.check_initial_state(cfg.model.init_from)
         return self
 
     def _fingerprint(self) -> str:
@@ -221,16 +225,17 @@ class Peer:
         keep = tokens > 0 and max_staleness > 0 and target.round - work_round <= max_staleness
         if keep:  # δ = θ_global_old − θ_local, into the (idle) averaging buffers, before θ_global_old is replaced
             with self.averager.pseudo_grads() as buffers:
-                pseudo_gradient(self.state.params, self.model.parameters(), buffers)
+                self.replica.pseudo_gradient(self.state.params, buffers)
         if not self.membership.fetch(target, fresh=base == 0 and self.inner.step_count == 0):
             return  # nothing changed: θ_local still holds our work
         already_in = self.state.included(self.name, base + 1)  # our last attempt was averaged after all
         if keep and not already_in:
             with self.averager.pseudo_grads() as buffers:
-                rebase(self.model.parameters(), self.state.params, buffers)
+                rebase(self.replica.params, self.state.params, buffers)
+            self.replica.broadcast_local()  # θ_local changed on rank 0 only
             self._log_work("rebase", base, work_round, tokens)
             return
-        load_into(self.model.parameters(), self.state.params)
+        self.replica.load(self.state.params)
         self.tokens_since_commit, self.work_round = 0, self.round
         if tokens:
             self._log_work("drop_work", base, work_round, tokens, "already averaged" if already_in else "too old")
@@ -284,7 +289,7 @@ class Peer:
         while not self.stop_event.is_set() and plan.more(work.steps, time.perf_counter(), work.last_step_s):
             self._inner_fault(work.steps, planned // 2)
             t0 = time.perf_counter()
-            out = self.inner.step(self.data.train.next_batch, self._schedule_step(work.steps, planned))
+            out = self.replica.step(self.data.train.next_batch, self._schedule_step(work.steps, planned))
             if slowdown > 1:
                 self.stop_event.wait((slowdown - 1) * (time.perf_counter() - t0))
             work.add(out.loss, out.tokens, time.perf_counter() - t0)
@@ -315,7 +320,7 @@ class Peer:
         if self.membership is not None:
             self.averager.set_group_size(len(live))
         with self.averager.pseudo_grads() as buffers:
-            pseudo_gradient(self.state.params, self.model.parameters(), buffers)
+            self.replica.pseudo_gradient(self.state.params, buffers)
         weight = self.tokens_since_commit if self.cfg.diloco.weight_by_tokens else 1.0
         self._announced_speed = self.pace.steps_per_s
         contribution = Contribution(name=self.name, round=self.round, digest=self.state.digest,
@@ -333,7 +338,7 @@ class Peer:
                 result.error = "the averaged pseudo-gradient is not finite: round rejected"
                 return False
             self.state.apply(averaged, num_contributions=result.group_size, members=result.peers)
-        load_into(self.model.parameters(), self.state.params)
+        self.replica.load(self.state.params)
         self.tokens_since_commit, self.work_round = 0, self.round
         if self.membership is not None:
             self.membership.state_changed()
@@ -348,7 +353,7 @@ class Peer:
                   "outer/allreduce_only_s": result.allreduce_seconds, "outer/allreduce_timeout_s": deadline,
                   "outer/bytes_sent": result.bytes_sent, "outer/bytes_received": result.bytes_received,
                   "global_params_sha256": self.state.params_digest, "state_sha256": self.state.digest,
-                  "error": result.error, **timing}
+                  "error": result.error, **timing, **self.replica.round_stats(tokens, timing["time/inner_s"])}
         eval_every = self.cfg.run.eval_every
         if committed and eval_every and self.round % eval_every == 0:
             begun = time.perf_counter()
@@ -358,7 +363,8 @@ class Peer:
         if committed:
             ev = f", eval {record['eval/loss']:.4f}" if "eval/loss" in record else ""
             self.log.info(f"round {self.round}: group {result.group_size}, train loss {train_loss:.4f}{ev}, "
-                          f"all-reduce {result.seconds:.2f} s, sent {result.bytes_sent / 1e6:.2f} MB")
+                          f"all-reduce {result.seconds:.2f} s, sent {result.bytes_sent / 1e6:.2f} MB, "
+                          f"{_throughput(record)}")
         else:
             self.log.warning(f"round {self.round + 1} not committed ({result.error}); θ_global kept, "
                              f"training continues from θ_local")
@@ -380,8 +386,9 @@ class Peer:
     def checkpoint_state(self) -> dict:
         return {**self.state.state_dict(), "name": self.name, "fingerprint": self.fingerprint,
                 "model": self.model.state_dict(), "inner": self.inner.state_dict(),
-                "data": self.data.train.state_dict(), "tokens_since_commit": self.tokens_since_commit,
-                "work_round": self.work_round, "tokens_trained": self.tokens_trained, "config": asdict(self.cfg)}
+                "data": self.data.train.state_dict(), "data_ranks": self.replica.data_states(),
+                "tokens_since_commit": self.tokens_since_commit, "work_round": self.work_round,
+                "tokens_trained": self.tokens_trained, "config": asdict(self.cfg)}
 
     def save(self) -> None:
         with self.state.lock:
@@ -441,8 +448,21 @@ class Peer:
             if self._ready and self.cfg.run.checkpoint_every:
                 self.save()
         finally:
+            if hasattr(self, "replica"):
+                self.replica.close()  # ranks > 0 of a multi-GPU peer stop
+                self.data.train.close()
             if self.averager is not None and hasattr(self.averager, "close"):
                 self.averager.close()
             if self.dht is not None:
                 self.dht.shutdown()
             self.metrics.close()
+
+
+def _throughput(record: dict) -> str:
+    """'12,345 tokens/s, MFU 41.2 %, peak 17.3 GiB' from a round record (the parts the device can tell)."""
+    text = f"{record['train/tokens_per_s']:,.0f} tokens/s"
+    if record.get("train/mfu") is not None:
+        text += f", MFU {100 * record['train/mfu']:.1f} %"
+    if record.get("device/peak_memory_gb") is not None:
+        text += f", peak {record['device/peak_memory_gb']:.1f} GiB"
+    return text

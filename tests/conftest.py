@@ -116,3 +116,22 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
     except OSError:
         return "?"
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer(tmp_path_factory) -> str:
+    """A byte-level BPE tokenizer (GPT-2's kind) trained here on a few sentences and saved with save_pretrained to
+    a local folder: the Hugging Face tokenizer path, offline. Returns the folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [f"document {i}: the quick brown fox jumps over the lazy dog, naïve café {i * 7919 % 1000}"
+             for i in range(300)]
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path_factory.mktemp("bpe")
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>").save_pretrained(str(folder))
+    return str(folder)

@@ -75,6 +75,7 @@ def test_toml_types_are_checked(tmp_path):
     (["peer", "--bogus"], "unrecognized arguments: --bogus"),
     (["doctor", "--network.reachability=maybe"], "network.reachability: expected one of auto, public, private"),
     (["peer", "--network.trusted_relays=relay.example:31337"], "network.trusted_relays: expected multiaddrs"),
+    (["peer", "--nproc-per-node", "0"], "--nproc-per-node: must be >= 1"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
     out = _cli(*args)

@@ -22,8 +22,8 @@ import threading
 import time
 from typing import Optional
 
-from p2p_diloco.config import Config, shared_settings
-from p2p_diloco.net.consensus import PeerStatus, SyncTarget, sync_target
+from p2p_diloco.config import Config, ConfigError, shared_settings
+from p2p_diloco.net.consensus import PeerStatus, SyncTarget, majority_state, sync_target
 from p2p_diloco.net.dht import (publish_finished, publish_run_index, publish_run_settings, publish_status,
                                 read_finished, read_roster, reconnect)
 from p2p_diloco.ops.metrics import MetricsSink
@@ -147,6 +147,23 @@ class Membership:
             self.log.info(f"waiting for peers: {len(roster)} of {expected} present")
             self.stop_event.wait(1.0)  # the roster lives in the DHT: there is no event to wait on, so poll
         self.log.warning(f"starting without the {expected} expected peers")
+
+    def check_initial_state(self, source: str) -> None:
+        """``model.init_from``: before round 1, compare our θ_global with that of the other peers at round 0.
+        Raises ConfigError (exit 2) if most of them (ties as in :func:`majority_state`) start from other bytes: a
+        checkpoint that differs between machines (another hub revision, other files) must not be averaged in."""
+        others = [s for s in self.live_roster() if s.round == 0 and s.peer_id != self.peer_id]
+        if not others:
+            return
+        _, run_digest = majority_state([(0, s.digest) for s in others] + [(0, self.state.digest)])
+        if run_digest != self.state.digest:
+            raise ConfigError(f"model.init_from: '{source}' gives us initial weights {self.state.digest[:12]}, but "
+                              f"the run starts from {run_digest[:12]}: every peer must load the same checkpoint "
+                              f"(same hub revision, same files)")
+        differ = sorted(s.name for s in others if s.digest != self.state.digest)
+        self.log.info(f"initial θ_global ({self.state.digest[:12]}, from {source}) agrees with "
+                      f"{len(others) - len(differ)} other peer(s)" + (f"; {', '.join(differ)} start from other "
+                                                                     f"weights and will stop" if differ else ""))
 
     def run_is_over(self, roster: list[PeerStatus]) -> bool:
         """True if every other peer has left the run after training all of ``run.rounds``: nobody is left to

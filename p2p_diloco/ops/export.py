@@ -79,15 +79,19 @@ def _byte_chars() -> dict[int, str]:
 
 
 def hf_tokenizer(cfg: Config, model_max_length: int):
-    """The run's tokenizer (``data.tokenizer``) as a transformers tokenizer; ConfigError if it cannot be loaded."""
-    if cfg.data.tokenizer == "byte":
+    """The run's tokenizer (``data.tokenizer``; 'auto' is model.init_from's or the byte tokenizer) as a
+    transformers tokenizer; ConfigError if it cannot be loaded."""
+    from p2p_diloco.train.tokenizers import tokenizer_source
+
+    name = tokenizer_source(cfg.data.tokenizer, cfg.model.init_from)
+    if name == "byte":
         return byte_level_tokenizer(model_max_length)
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(cfg.data.tokenizer)
+        return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"data.tokenizer: cannot load '{cfg.data.tokenizer}': {first_line(e)}") from None
+        raise ConfigError(f"data.tokenizer: cannot load '{name}': {first_line(e)}") from None
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -204,7 +208,8 @@ def _global_model(path: Path, saved: dict) -> GlobalModel:
     except ConfigError as e:  # a checkpoint of another version of this program
         raise ConfigError(f"{path}: its config does not load here: {e}") from None
     with quiet_transformers():
-        model = build_model(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size, cfg.run.seed)
+        vocab = load_tokenizer(cfg.data.tokenizer, cfg.model.init_from).vocab_size
+        model = build_model(cfg.model, vocab, cfg.run.seed)
     params = saved["global_params"]
     if [tuple(p.shape) for p in model.parameters()] != [tuple(p.shape) for p in params]:
         raise ConfigError(f"{path}: θ_global does not fit the model its config builds")

@@ -55,15 +55,20 @@ class InnerTrainer:
     """AdamW on ``model`` (whose parameters must already be on ``device``), stepping the lr schedule.
 
     Weight decay applies to matrices and embeddings only; norm gains (1-D tensors) are not decayed (nanoGPT's rule).
-    bf16 autocast on CUDA, fp32 on the CPU. ``step_count`` counts inner steps done and drives the schedule.
+    bf16 autocast and fused AdamW on CUDA; fp32 and torch's default AdamW on the CPU. ``step_count`` counts inner
+    steps done and drives the schedule. ``forward`` is the module that computes the loss, when it wraps ``model``
+    (DistributedDataParallel on a multi-GPU peer: then gradients are averaged over the ranks at the last
+    micro-batch of each step).
     """
 
     def __init__(self, model: torch.nn.Module, cfg: InnerConfig, device: torch.device,
-                 total_steps: Optional[int]):
+                 total_steps: Optional[int], forward: Optional[torch.nn.Module] = None):
         self.model, self.cfg, self.device, self.total_steps = model, cfg, device, total_steps
+        self.forward = forward if forward is not None else model
         self.step_count = 0
+        # fused: one kernel for the whole update on CUDA; None keeps torch's default elsewhere
         self.optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                                           betas=(cfg.beta1, cfg.beta2))
+                                           betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda" or None)
 
     def step(self, next_batch: Callable[[], torch.Tensor], position: Optional[float] = None) -> StepResult:
         """One inner step over ``cfg.grad_accum`` micro-batches from ``next_batch`` (LongTensor [B, T]). The lr is
@@ -87,15 +92,22 @@ class InnerTrainer:
     def _accumulate(self, next_batch: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
         total = torch.zeros((), device=self.device)
         tokens = 0
-        for _ in range(self.cfg.grad_accum):
+        for i in range(self.cfg.grad_accum):
             x = next_batch().to(self.device, non_blocking=True)
-            with autocast(self.device):
-                # labels = inputs: the model shifts them internally for next-token prediction
-                loss = self.model(input_ids=x, labels=x).loss / self.cfg.grad_accum
-            loss.backward()
+            with self._no_sync(last=i == self.cfg.grad_accum - 1):
+                with autocast(self.device):
+                    # labels = inputs: the model shifts them internally for next-token prediction
+                    loss = self.forward(input_ids=x, labels=x, use_cache=False).loss / self.cfg.grad_accum
+                loss.backward()
             total += loss.detach().float()
             tokens += x.numel()
         return total, tokens
+
+    def _no_sync(self, last: bool):
+        """DDP averages gradients at every backward unless told not to: only the last micro-batch's should."""
+        if last or not hasattr(self.forward, "no_sync"):
+            return contextlib.nullcontext()
+        return self.forward.no_sync()
 
     def state_dict(self) -> dict:
         """AdamW moments and ``step_count`` (the parameters belong to the caller's checkpoint)."""
@@ -131,17 +143,23 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.
         for x in batches:
             x = x.to(device, non_blocking=True)
             with autocast(device):
-                total += model(input_ids=x, labels=x).loss.float()
+                total += model(input_ids=x, labels=x, use_cache=False).loss.float()
         return total.item() / len(batches)  # note: one sync for the whole evaluation
     finally:
         model.train(was_training)
 
 
-def resolve_device(name: str) -> torch.device:
-    """RunConfig.device -> torch.device: 'auto' is cuda when available, else cpu. Raises ConfigError naming
-    run.device for an unknown name or a CUDA device that is not there."""
+def resolve_device(name: str, local_rank: Optional[int] = None) -> torch.device:
+    """RunConfig.device -> torch.device: 'auto' is cuda when available, else cpu. ``local_rank`` (a rank of a
+    multi-GPU peer) picks cuda:local_rank for 'auto' and 'cuda'. Raises ConfigError naming run.device for an unknown
+    name or a CUDA device that is not there."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if local_rank is not None and name == "cuda":
+        name = f"cuda:{local_rank}"
+    elif local_rank is not None and name.startswith("cuda:"):
+        raise ConfigError(f"run.device: {name!r} names one GPU, but this peer runs one process per GPU; use 'auto' "
+                          f"or 'cuda' (rank r uses cuda:LOCAL_RANK)")
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
