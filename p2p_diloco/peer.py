@@ -52,6 +52,7 @@ class Peer:
         self.tokens_trained = 0  # tokens of all inner steps this peer has run in this run
         self.metrics: MetricsSink = MetricsSink()
         self._sampler = None  # ops.generate.Generator over self.model, made at the first text sample
+        self._saved_error_feedback = None  # a resumed checkpoint's error-feedback residual
         self.log = logger
         self._closed = False
 
@@ -74,6 +75,8 @@ class Peer:
         self.metrics = build_sink(cfg, self.run_dir, self.name)
         if self.averager is None:
             self._join_swarm()
+        if self._saved_error_feedback is not None and self.error_feedback is not None:
+            self.error_feedback.load_state_dict(self._saved_error_feedback)
         self.log.info(f"model {count_parameters(self.model) / 1e6:.2f}M params, fingerprint {self.fingerprint}, "
                       f"device {self.device}, {'resumed at' if resumed else 'starting at'} round {self.round}")
         if not resumed:
@@ -89,9 +92,13 @@ class Peer:
     def _fingerprint(self) -> str:
         """Everything that must match for two peers to average: model shape, wire codec, outer rule."""
         d = self.cfg.diloco
-        key = (f"{model_fingerprint(self.model)}|{self.cfg.averaging.codec}|{d.outer_optimizer}|{d.outer_lr}|"
+        key = (f"{model_fingerprint(self.model)}|{self._wire_formats()}|{d.outer_optimizer}|{d.outer_lr}|"
                f"{d.outer_momentum}|{d.weight_by_tokens}")
         return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+    def _wire_formats(self) -> str:
+        a = self.cfg.averaging
+        return a.codec if a.average_codec in (None, a.codec) else f"{a.codec}>{a.average_codec}"  # 16-bit: as before
 
     def _join_swarm(self) -> None:
         from p2p_diloco.net.averaging import Averager  # the only hivemind users; imported lazily for mocked tests
@@ -114,6 +121,11 @@ class Peer:
     @property
     def peer_id(self) -> str:
         return getattr(self.averager, "peer_id", "")
+
+    @property
+    def error_feedback(self):
+        """The averaging seam's :class:`~p2p_diloco.net.codecs.ErrorFeedback`, or None (off)."""
+        return getattr(self.averager, "error_feedback", None)
 
     @property
     def round(self) -> int:
@@ -165,6 +177,8 @@ class Peer:
         if self.membership is not None and self.membership.sync(live_roster, fresh):
             load_into(self.model.parameters(), self.state.params)
             self.tokens_since_commit = 0
+            if self.error_feedback is not None:
+                self.error_feedback.reset()
 
     def _inner_steps(self, steps: int) -> tuple[float, int]:
         """H inner steps on θ_local; returns (mean loss, tokens). Stops early, between steps, if asked to."""
@@ -193,6 +207,8 @@ class Peer:
             self.averager.set_group_size(len(self.membership.live_roster()))
         with self.averager.pseudo_grads() as buffers:
             pseudo_gradient(self.state.params, self.model.parameters(), buffers)
+            if self.error_feedback is not None:
+                self.error_feedback.add_to(buffers)  # what the wire lost of our last committed contribution
         weight = self.tokens_since_commit if self.cfg.diloco.weight_by_tokens else 1.0
         contribution = Contribution(name=self.name, round=self.round, digest=self.state.digest,
                                     tokens=self.tokens_since_commit)
@@ -205,6 +221,8 @@ class Peer:
                 result.error = "the averaged pseudo-gradient is not finite: round rejected"
                 return False
             self.state.apply(averaged, num_contributions=result.group_size)
+            if self.error_feedback is not None:
+                self.error_feedback.commit()
         load_into(self.model.parameters(), self.state.params)
         self.tokens_since_commit = 0
         if self.membership is not None:
@@ -252,7 +270,8 @@ class Peer:
         return {**self.state.state_dict(), "name": self.name, "fingerprint": self.fingerprint,
                 "model": self.model.state_dict(), "inner": self.inner.state_dict(),
                 "data": self.data.train.state_dict(), "tokens_since_commit": self.tokens_since_commit,
-                "tokens_trained": self.tokens_trained, "config": asdict(self.cfg)}
+                "tokens_trained": self.tokens_trained, "config": asdict(self.cfg),
+                "error_feedback": self.error_feedback.state_dict() if self.error_feedback is not None else None}
 
     def save(self) -> None:
         with self.state.lock:
@@ -296,6 +315,7 @@ class Peer:
         self.data.train.load_state_dict(saved["data"])
         self.tokens_since_commit = saved["tokens_since_commit"]
         self.tokens_trained = saved.get("tokens_trained", 0)  # absent from checkpoints of earlier versions
+        self._saved_error_feedback = saved.get("error_feedback")  # taken once the averager exists (_join_swarm)
         return True
 
     # ------------------------------------------------------------------------------------------------ close

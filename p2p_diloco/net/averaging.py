@@ -35,7 +35,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import Float16Compression, NoCompression, ScaledFloat16Compression, deserialize_torch_tensor
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
@@ -45,13 +45,13 @@ from hivemind.utils.streaming import combine_from_streaming
 from p2p_diloco.net import dht as _dht  # noqa: F401  (imported first for its torch sharing-strategy setting)
 from p2p_diloco.net.allreduce import CanonicalAllReduceRunner
 from p2p_diloco.config import AveragingConfig
+from p2p_diloco.net.codecs import ErrorFeedback
 from p2p_diloco.net.consensus import majority_state
 from p2p_diloco.net.deadlines import DeadlineEstimator
+from p2p_diloco.net.wire import WireCodec, bits_per_value
 from p2p_diloco.ops.procs import become_child_process
 
 logger = logging.getLogger(__name__)
-
-CODECS = {"scaled_fp16": ScaledFloat16Compression, "fp16": Float16Compression, "fp32": NoCompression}
 
 
 @dataclass
@@ -92,12 +92,13 @@ def choose_participants(contributions: Sequence[Contribution]) -> list[int]:
 class CanonicalAverager(DecentralizedAverager):
     """DecentralizedAverager running :class:`CanonicalAllReduceRunner`; its process dies with its parent."""
 
-    def __init__(self, *args, codec: str, min_participants: int, fault=None, **kwargs):
-        self._codec_type = CODECS[codec].compression_type
+    def __init__(self, *args, codec: WireCodec, average_codec: WireCodec, min_participants: int, fault=None,
+                 **kwargs):
+        self._average_codec = average_codec
         self._min_participants = min_participants
         self._fault = fault
         self.state_provider = None  # set in the host process: () -> (metadata dict, tensors)
-        super().__init__(*args, compression=CODECS[codec](), **kwargs)
+        super().__init__(*args, compression=codec, **kwargs)
 
     def run(self):
         become_child_process()
@@ -133,7 +134,7 @@ class CanonicalAverager(DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         runner = CanonicalAllReduceRunner(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
-            ordered_peer_ids=group_info.peer_ids, codec_type=self._codec_type, **kwargs)
+            ordered_peer_ids=group_info.peer_ids, average_codec=self._average_codec, **kwargs)
         self._running_groups[group_id].set_result(runner)
         async for tensor, averaged in azip(as_aiter(*tensors), runner):
             tensor.copy_(averaged)  # copy, not add: every peer ends with the same decoded bytes
@@ -212,6 +213,8 @@ class Averager:
     The buffers are allocated once (in shared memory) with the shapes of the model's parameters. A round writes the
     pseudo-gradient into them inside ``with averager.pseudo_grads() as bufs:``, then calls :meth:`average`; if the
     result is ``ok``, the buffers hold the canonical weighted average, bit-identical on every peer of the group.
+    ``error_feedback`` (an :class:`~p2p_diloco.net.codecs.ErrorFeedback`, or None when off) is the peer's to use:
+    add its residual to the pseudo-gradient before averaging, commit it with the round.
     """
 
     def __init__(self, dht, cfg: AveragingConfig, prefix: str, shapes: Sequence[torch.Size], *,
@@ -220,8 +223,13 @@ class Averager:
         self.client_mode = client_mode
         self.fault = fault
         buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+        # error feedback's pending residual is written by the averager's process: allocate it (shared) before the fork
+        self.error_feedback = ErrorFeedback(shapes) if cfg.error_feedback else None
+        codec = WireCodec(cfg.codec, cfg.part_size_bytes,
+                          residuals=self.error_feedback.pending if self.error_feedback else None)
         self._averager = CanonicalAverager(
-            buffers, dht, start=True, prefix=prefix, codec=cfg.codec, min_participants=cfg.min_group_size,
+            buffers, dht, start=True, prefix=prefix, codec=codec, min_participants=cfg.min_group_size,
+            average_codec=WireCodec(cfg.average_codec or cfg.codec, cfg.part_size_bytes),
             fault=fault if fault is not None and fault.phase == "allreduce" else None,
             target_group_size=expected_group_size or cfg.target_group_size, min_group_size=cfg.min_group_size,
             min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
@@ -229,9 +237,10 @@ class Averager:
             part_size_bytes=cfg.part_size_bytes, client_mode=client_mode, allow_state_sharing=False,
             shutdown_timeout=5)
         self._group_size = expected_group_size or cfg.target_group_size
-        bytes_per_value = 4 if cfg.codec == "fp32" else 2
+        # a peer sends its parts in ``codec`` and, as a reducer, averages in ``average_codec``: half of each
+        bytes_per_value = (bits_per_value(cfg.codec) + bits_per_value(cfg.average_codec or cfg.codec)) / 16
         self._estimator = DeadlineEstimator(cfg.allreduce_timeout, cfg.next_chunk_timeout, cfg.part_size_bytes,
-                                            payload_bytes=sum(b.numel() for b in buffers) * bytes_per_value,
+                                            payload_bytes=int(sum(b.numel() for b in buffers) * bytes_per_value),
                                             matchmaking_floor=cfg.matchmaking_time)
         self.deadlines = self._estimator.deadlines(self._group_size)
 
