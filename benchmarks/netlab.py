@@ -1,21 +1,25 @@
 """A private network for benchmarks: N network namespaces on one Linux bridge, links rate-limited with ``tc tbf``.
 
-Namespace ``{tag}{i}`` holds interface ``eth0`` with address 10.77.0.{i+1}/24, joined to bridge ``{tag}br`` by a veth
-pair. The bridge has no address in the root namespace and nothing routes out: traffic stays between the namespaces.
-``set_rate`` shapes both directions of every peer's link (its upload on ``eth0``, its download on the host end of its
-veth), so each peer has a full-duplex link of the given rate. Needs root (``ip netns``); everything is removed on exit.
+Namespace ``{tag}{i}`` holds interface ``eth0`` with address 10.78.{k}.{i+1}/24, joined to bridge ``{tag}br`` by a
+veth pair. ``tag`` is random per lab (``pdb`` + 6 hex digits) and ``k`` is drawn at random, so labs of runs going on
+at the same time on this machine never share a name, and a lab removes exactly the objects it created (on exit, on
+SIGTERM and at interpreter exit), never another's. The bridge has no address in the root namespace and nothing routes
+out: traffic stays between the namespaces. ``set_rate`` shapes both directions of every peer's link (its upload on
+``eth0``, its download on the host end of its veth), so each peer has a full-duplex link of the given rate. Needs
+root (``ip netns``).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 from typing import Optional
 
-SUBNET = "10.77.0"
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -23,19 +27,22 @@ def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class NetLab:
-    def __init__(self, n: int, tag: str = "pdb"):
-        self.n, self.tag = n, tag
+    def __init__(self, n: int):
+        self.n = n
+        self.tag = tag = f"pdb{secrets.token_hex(3)}"  # interface names: at most 15 characters
+        self.subnet = f"10.78.{secrets.randbelow(256)}"
         self.bridge = f"{tag}br"
         self.namespaces = [f"{tag}{i}" for i in range(n)]
 
     def address(self, i: int) -> str:
-        return f"{SUBNET}.{i + 1}"
+        return f"{self.subnet}.{i + 1}"
 
     def host_veth(self, i: int) -> str:
         return f"{self.tag}v{i}"
 
     def __enter__(self) -> "NetLab":
-        self.remove()  # leftovers of an interrupted run of ours
+        atexit.register(self.remove)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through __exit__, which removes the lab
         try:
             sh("ip", "link", "add", self.bridge, "type", "bridge")
             sh("ip", "link", "set", self.bridge, "up")
