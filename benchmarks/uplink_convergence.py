@@ -31,17 +31,17 @@ import torch
 
 from common import demo_config, median, table
 
-VARIANTS = {  # name: (codec, average codec, error feedback, overlap)
+VARIANTS = {  # name: (codec, average codec, error feedback, overlap); the main comparison first
     "fp32": ("fp32", None, False, "none"),
-    "scaled_fp16": ("scaled_fp16", None, False, "none"),
-    "int8": ("int8", None, False, "none"),
-    "int4": ("int4", None, False, "none"),
     "int4+ef": ("int4", None, True, "none"),
+    "int4+ef eager": ("int4", None, True, "eager"),
+    "int4+ef delayed": ("int4", None, True, "delayed"),
+    "int4": ("int4", None, False, "none"),
+    "int8": ("int8", None, False, "none"),
+    "scaled_fp16": ("scaled_fp16", None, False, "none"),
     "e3m0": ("e3m0", None, False, "none"),
     "e3m0+ef": ("e3m0", None, True, "none"),
     "int4+ef>int8": ("int4", "int8", True, "none"),
-    "int4+ef delayed": ("int4", None, True, "delayed"),
-    "int4+ef eager": ("int4", None, True, "eager"),
 }
 OVERLAP_BASE = "int4+ef"  # the overlap variants are compared with this one
 

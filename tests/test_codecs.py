@@ -80,10 +80,14 @@ def test_a_non_finite_value_poisons_only_its_block(name):
     assert torch.isnan(y[codec.block:]).all()
 
 
-def test_wire_bits_per_value():
+def test_wire_bits_per_value_and_the_deadline_payload():
+    from p2p_diloco.net.wire import payload_bytes
+
     assert BLOCK_CODECS["int8"].bits_per_value == 8.125
     assert BLOCK_CODECS["int4"].bits_per_value == BLOCK_CODECS["e3m0"].bits_per_value == 4.5
     assert BLOCK_CODECS["int4"].encoded_bytes(1000) == 16 * 4 + 16 * 32
+    assert payload_bytes(1000, "fp32") == 4000 and payload_bytes(1000, "scaled_fp16") == 2000
+    assert payload_bytes(1024, "int4") == 576 and payload_bytes(1024, "int4", "int8") == 808
 
 
 def test_wire_codec_cuts_whole_blocks_and_records_the_residual():

@@ -48,7 +48,7 @@ from p2p_diloco.config import AveragingConfig
 from p2p_diloco.net.codecs import ErrorFeedback
 from p2p_diloco.net.consensus import majority_state
 from p2p_diloco.net.deadlines import DeadlineEstimator
-from p2p_diloco.net.wire import WireCodec, bits_per_value
+from p2p_diloco.net.wire import WireCodec, payload_bytes
 from p2p_diloco.ops.procs import become_child_process
 
 logger = logging.getLogger(__name__)
@@ -237,12 +237,12 @@ class Averager:
             part_size_bytes=cfg.part_size_bytes, client_mode=client_mode, allow_state_sharing=False,
             shutdown_timeout=5)
         self._group_size = expected_group_size or cfg.target_group_size
-        # a peer sends its parts in ``codec`` and, as a reducer, averages in ``average_codec``: half of each
-        bytes_per_value = (bits_per_value(cfg.codec) + bits_per_value(cfg.average_codec or cfg.codec)) / 16
+        payload = payload_bytes(sum(b.numel() for b in buffers), cfg.codec, cfg.average_codec)
         self._estimator = DeadlineEstimator(cfg.allreduce_timeout, cfg.next_chunk_timeout, cfg.part_size_bytes,
-                                            payload_bytes=int(sum(b.numel() for b in buffers) * bytes_per_value),
+                                            payload_bytes=payload,
                                             matchmaking_floor=cfg.matchmaking_time)
         self.deadlines = self._estimator.deadlines(self._group_size)
+        self._pending: Optional[PendingAverage] = None  # an all-reduce under way (start_average)
 
     @property
     def peer_id(self) -> str:
@@ -251,6 +251,8 @@ class Averager:
     @contextlib.contextmanager
     def pseudo_grads(self) -> Iterator[Sequence[torch.Tensor]]:
         """The shared buffers; the averager does not touch them while this context is open."""
+        if self._pending is not None:
+            raise RuntimeError("the buffers belong to an all-reduce under way: take its result() first")
         with self._averager.get_tensors() as tensors:
             yield tensors
 
@@ -265,24 +267,29 @@ class Averager:
 
     def average(self, contribution: Contribution, weight: float) -> AverageResult:
         """Find a group and all-reduce the buffers; never raises, never waits beyond the configured timeouts."""
-        start = time.perf_counter()
+        return self.start_average(contribution, weight).result()
+
+    def start_average(self, contribution: Contribution, weight: float) -> "PendingAverage":
+        """Start :meth:`average` in the averager's process and return at once (``diloco.overlap``). Until the
+        pending average's ``result()`` is taken, the buffers belong to the averager: :meth:`pseudo_grads` refuses."""
         self._update_deadlines()
-        control = None
+        pending = PendingAverage(self, contribution)
         try:
-            control = self._averager.step(gather=asdict(contribution), weight=float(weight), wait=False,
-                                          timeout=self.matchmaking_timeout, allow_retries=False)
+            pending.control = self._averager.step(gather=asdict(contribution), weight=float(weight), wait=False,
+                                                  timeout=self.matchmaking_timeout, allow_retries=False)
             if self.fault is not None and self.fault.due("matchmaking", contribution.round + 1):
-                self._strike_in_matchmaking(control)
-            out = control.result(timeout=self.matchmaking_timeout + self.deadlines.allreduce_timeout + 10)
+                self._strike_in_matchmaking(pending.control)
         except BaseException as e:
-            if control is not None and not control.done():
-                control.cancel()
             if isinstance(e, KeyboardInterrupt):
                 raise
-            return AverageResult(ok=False, seconds=time.perf_counter() - start, error=_one_line(e))
+            pending.error = _one_line(e)
+        self._pending = pending
+        return pending
+
+    def _finish(self, out: dict, seconds: float) -> AverageResult:
         result = AverageResult(ok=out["member_of"], group_size=len(out["members"]), peers=out["members"],
                                tokens=out["tokens"], bytes_sent=out["bytes_sent"],
-                               bytes_received=out["bytes_received"], seconds=time.perf_counter() - start,
+                               bytes_received=out["bytes_received"], seconds=seconds,
                                allreduce_seconds=out["allreduce_seconds"], group_round=out["group_round"])
         self._estimator.observe(out["bytes_sent"] + out["bytes_received"], out["allreduce_seconds"])
         if not out["member_of"]:
@@ -347,6 +354,45 @@ class Averager:
     def close(self) -> None:
         if self._averager.is_alive():
             self._averager.shutdown()
+
+
+class PendingAverage:
+    """An all-reduce under way in the averager's process (:meth:`Averager.start_average`)."""
+
+    def __init__(self, averager: Averager, contribution: Contribution):
+        self.averager, self.contribution = averager, contribution
+        self.control = None  # hivemind's StepControl, once the step has started
+        self.error: Optional[str] = None  # the step failed to start
+        self.started = time.perf_counter()
+        self.waited = 0.0  # seconds result() blocked its caller
+        self._result: Optional[AverageResult] = None
+
+    def done(self) -> bool:
+        return self._result is not None or self.control is None or self.control.done()
+
+    def result(self) -> AverageResult:
+        """The outcome; waits at most for the matchmaking and all-reduce deadlines. Never raises; frees the buffers."""
+        if self._result is None:
+            begun = time.perf_counter()
+            self._result = self._wait()
+            self.waited = time.perf_counter() - begun
+            if self.averager._pending is self:
+                self.averager._pending = None
+        return self._result
+
+    def _wait(self) -> AverageResult:
+        if self.control is None:
+            return AverageResult(ok=False, seconds=time.perf_counter() - self.started, error=self.error)
+        budget = self.averager.matchmaking_timeout + self.averager.deadlines.allreduce_timeout + 10
+        try:  # the budget runs from the start: a round that trained meanwhile does not extend it
+            out = self.control.result(timeout=max(5.0, self.started + budget - time.perf_counter()))
+        except BaseException as e:
+            if not self.control.done():
+                self.control.cancel()
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            return AverageResult(ok=False, seconds=time.perf_counter() - self.started, error=_one_line(e))
+        return self.averager._finish(out, time.perf_counter() - self.started)
 
 
 def _one_line(e: BaseException) -> str:

@@ -88,19 +88,14 @@ class BlockCodec:
         scale = data[: blocks * SCALE_BYTES].view(torch.float32)
         codes = data[blocks * SCALE_BYTES:]
         if self.bits == 4:
-            codes = torch.stack([codes & 15, codes >> 4], dim=1).reshape(-1)
-        values = self._table(data.device)[codes.long()].view(blocks, self.block)
-        return (values * scale[:, None]).reshape(-1)[:numel]
-
-    def _table(self, device) -> torch.Tensor:
-        """Value of each code before scaling, indexed by the code's unsigned byte (or nibble)."""
-        if self.levels is None and self.bits == 8:
-            table = torch.arange(256, dtype=torch.float32, device=device)
-            return torch.where(table < 128, table, table - 256)  # two's complement int8
-        if self.levels is None:
-            return torch.arange(16, dtype=torch.float32, device=device) - (self.qmax + 1)  # nibble 0 is unused
-        magnitudes = torch.tensor(self.levels, dtype=torch.float32, device=device)
-        return torch.cat([magnitudes, -magnitudes])
+            codes = torch.stack([codes & 15, codes >> 4], dim=1).view(-1)
+        if self.levels is None:  # integers: exact in fp32
+            values = codes.view(torch.int8) if self.bits == 8 else codes.view(torch.int8) - (self.qmax + 1)
+            values = values.to(torch.float32)
+        else:
+            magnitudes = torch.tensor(self.levels, dtype=torch.float32, device=data.device)
+            values = torch.cat([magnitudes, -magnitudes])[codes.int()]
+        return (values.view(blocks, self.block) * scale[:, None]).view(-1)[:numel]
 
     @torch.no_grad()
     def round_trip(self, values: torch.Tensor) -> torch.Tensor:

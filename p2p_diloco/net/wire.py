@@ -33,6 +33,12 @@ def bits_per_value(name: str) -> float:
     return 32.0 if name == "fp32" else 16.0
 
 
+def payload_bytes(values: int, codec: str, average_codec: Optional[str] = None) -> int:
+    """The all-reduce's payload for the deadline estimator (net/deadlines.py): a peer's parts go up in ``codec``
+    and the averages come back in ``average_codec`` (None: the same), each for half of what it moves."""
+    return int(values * (bits_per_value(codec) + bits_per_value(average_codec or codec)) / 16)
+
+
 class WireCodec(CompressionBase):
     """The codec named ``name`` as a hivemind ``CompressionBase``, recording residuals if ``residuals`` is given.
 
