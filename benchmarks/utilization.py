@@ -124,8 +124,10 @@ def _wait_for_maddrs(path: Path, proc, timeout: float = 120.0) -> list[str]:
 
 
 def link_shares(records: dict[str, list[dict]]) -> dict:
-    """Pooled over peers and rounds after the first: inner and waiting shares of the wall time, inner tokens/s."""
-    rows = [r for recs in records.values() for r in rounds_of(recs) if r["committed"] and r["round"] > 1]
+    """Pooled over peers and rounds after the first: inner and waiting shares of the wall time, inner tokens/s.
+    With overlap a record logs the commit of the round before it; the last one (no inner steps) is left out."""
+    rows = [r for recs in records.values() for r in rounds_of(recs)
+            if r["committed"] and r["round"] > 1 and r["time/inner_s"] > 0]
     if not rows:
         raise RuntimeError("no committed round after the first")
     total = lambda key: sum(r.get(key, 0.0) for r in rows)  # noqa: E731
