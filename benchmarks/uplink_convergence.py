@@ -13,16 +13,21 @@ Variants (``--variant``, default all): fp32, scaled_fp16, int8, int4, int4+ef, e
 (int4 contributions, averages sent back in int8), and overlap delayed / eager with int4+ef. Results are appended to
 ``--out`` (JSON lines, one per variant and seed; runs already there are skipped, so an interrupted study resumes);
 the table gives the final eval loss, median over seeds, and its gap to fp32 (codecs) or to no overlap (overlap).
-About 6 CPU-minutes per variant and seed; shards split the work between processes. Run:
+The tiny preset (0.46M parameters) at 1000 steps x 4 replicas (4.1M tokens, 45% of its Chinchilla budget) takes
+about 6 CPU-minutes per variant and seed; ``--model micro`` (0.12M parameters) at 300 steps (1.2M tokens, 50%)
+about 40 s. Shards split the work between processes. Run:
 
     nice -n 10 python benchmarks/uplink_convergence.py [--steps 1000] [--h 50] [--seeds 0 1 2] [--shard 0/2]
-    python benchmarks/uplink_convergence.py --table
+    nice -n 10 python benchmarks/uplink_convergence.py --model micro --steps 300 --h 20 \
+        --out benchmarks/results/uplink_convergence_micro.jsonl
+    python benchmarks/uplink_convergence.py --table [--out ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -138,9 +143,24 @@ class Replicas:
         return evaluate(self.eval_model, self.eval_batches, self.device)
 
 
-def run(variant: str, seed: int, peers: int, steps: int, h: int, eval_every: int) -> dict:
+def model_name(model: str) -> str:
+    """``model.name`` for --model: a preset, or "micro" (0.12M parameters: 2 layers x 64, MLP 192, byte vocabulary)."""
+    if model != "micro":
+        return model
+    from transformers import LlamaConfig
+
+    path = Path(tempfile.gettempdir()) / "uplink-convergence-micro" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                intermediate_size=192, vocab_size=256, max_position_embeddings=1024,
+                tie_word_embeddings=True).to_json_file(str(path))
+    return str(path)
+
+
+def run(variant: str, seed: int, peers: int, steps: int, h: int, eval_every: int, model: str) -> dict:
     codec, average_codec, ef, overlap = VARIANTS[variant]
-    cfg = demo_config(**{"data.seed": seed, "run.seed": seed, "diloco.inner_steps": h, "data.eval_batches": 16})
+    cfg = demo_config(**{"data.seed": seed, "run.seed": seed, "diloco.inner_steps": h, "data.eval_batches": 16,
+                         "model.name": model_name(model)})
     rounds = steps // h
     replicas = Replicas(cfg, peers, rounds, codec, average_codec, ef, overlap)
     start = time.perf_counter()
@@ -151,7 +171,7 @@ def run(variant: str, seed: int, peers: int, steps: int, h: int, eval_every: int
             replicas.drain()
         if r % eval_every == 0 or r == rounds:
             curve.append((replicas.tokens, replicas.evaluate()))
-    return {"variant": variant, "seed": seed, "peers": peers, "steps": steps, "h": h, "curve": curve,
+    return {"variant": variant, "seed": seed, "model": model, "peers": peers, "steps": steps, "h": h, "curve": curve,
             "final": curve[-1][1], "tokens": replicas.tokens, "seconds": time.perf_counter() - start,
             "outer_lr": cfg.diloco.outer_lr, "outer_momentum": cfg.diloco.outer_momentum, "inner_lr": cfg.inner.lr}
 
@@ -185,6 +205,8 @@ def print_table(path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", action="append", choices=list(VARIANTS), help="default: all")
+    parser.add_argument("--model", default="tiny", help="model preset, or micro (0.12M parameters; 300 steps x 4 "
+                        "replicas are 50%% of its Chinchilla budget) (default tiny)")
     parser.add_argument("--peers", type=int, default=4, help="replicas M (default 4)")
     parser.add_argument("--steps", type=int, default=1000, help="inner steps per replica (default 1000: 4.1M tokens "
                         "with 4 replicas, 45%% of the tiny model's Chinchilla budget)")
@@ -202,13 +224,14 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     done = set()
     if out.exists():
-        done = {(r["variant"], r["seed"], r["steps"], r["h"]) for r in map(json.loads, out.read_text().splitlines())}
+        done = {(r["variant"], r["seed"], r["steps"], r["h"], r.get("model", "tiny"))
+                for r in map(json.loads, out.read_text().splitlines())}
     jobs = [(v, s) for s in args.seeds for v in (args.variant or list(VARIANTS))]  # every variant once, then again
     index, count = map(int, args.shard.split("/"))
     for v, s in jobs[index::count]:
-        if (v, s, args.steps, args.h) in done:
+        if (v, s, args.steps, args.h, args.model) in done:
             continue
-        result = run(v, s, args.peers, args.steps, args.h, args.eval_every)
+        result = run(v, s, args.peers, args.steps, args.h, args.eval_every, args.model)
         with out.open("a") as f:
             f.write(json.dumps(result) + "\n")
         print(f"{v} seed {s}: eval loss {result['final']:.4f} at {result['tokens']} tokens "
