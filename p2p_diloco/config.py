@@ -152,8 +152,9 @@ class DiLoCoConfig:
 @dataclass
 class AveragingConfig:
     """The fault-tolerant all-reduce. Every wait is bounded by one of the timeouts below."""
-    codec: str = _f("scaled_fp16", "wire format of pseudo-gradients (scaled_fp16 and fp16 send 16 bits per value)",
-                    choices=("scaled_fp16", "fp16", "fp32"), shared=True)
+    codec: str = _f("scaled_fp16", "wire format of pseudo-gradients: scaled_fp16 and fp16 send 16 bits per value, "
+                    "int8 8.125 and int4 or e3m0 4.5 (one fp32 scale per block of 256 or 64 values)",
+                    choices=("scaled_fp16", "fp16", "fp32", "int8", "int4", "e3m0"), shared=True)
     min_group_size: int = _f(2, "fewest peers (this one included) a round needs to commit; alone, a peer keeps "
                              "training and retries next round", "peers", _positive, "must be > 0", shared=True)
     target_group_size: int = _f(64, "most peers averaged in one group", "peers", _positive, "must be > 0", shared=True)
@@ -173,6 +174,10 @@ class AveragingConfig:
                              "donors", _positive, "must be > 0")
     roster_ttl: float = _f(30.0, "how long a peer's roster entry outlives its last heartbeat; a dead peer stops "
                            "counting after this", "s", _positive, "must be > 0")
+    average_codec: Optional[str] = _f(None, "wire format of the averages reducers send back; None: codec",
+                                      choices=("scaled_fp16", "fp16", "fp32", "int8", "int4", "e3m0"), shared=True)
+    error_feedback: bool = _f(False, "add what the codec lost of this peer's last committed contribution to its "
+                              "next one (local state, checkpointed; one more copy of the model in memory)")
 
 
 @dataclass
@@ -380,7 +385,7 @@ def _set(cfg: Config, dotted: str, value, from_text: bool) -> None:
     tp = typing.get_type_hints(type(section))[key]
     coerced = _coerce(dotted, tp, value, from_text)
     meta = f.metadata
-    if meta.get("choices") and coerced not in meta["choices"]:
+    if meta.get("choices") and coerced is not None and coerced not in meta["choices"]:
         raise ConfigError(f"{dotted}: expected one of {', '.join(meta['choices'])}, got {coerced!r}")
     if meta.get("check") is not None and coerced is not None and not meta["check"](coerced):
         raise ConfigError(f"{dotted}: {meta['rule']}, got {coerced!r}")

@@ -79,6 +79,11 @@ class OuterOptimizer(abc.ABC):
     def state_tensors(self) -> list[torch.Tensor]:
         ...
 
+    def step_response(self, extra: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """How much further θ the last step would have moved had the average been larger by ``extra`` (the outer
+        step is linear in the average for a given state). Used by ``diloco.overlap = "eager"``."""
+        raise NotImplementedError(f"{type(self).__name__} has no closed-form step response")
+
     def state_dict(self) -> dict:
         return {"tensors": [t.clone() for t in self.state_tensors()]}
 
@@ -102,6 +107,10 @@ class OuterSGD(OuterOptimizer):
     def state_tensors(self) -> list[torch.Tensor]:
         return []
 
+    @torch.no_grad()
+    def step_response(self, extra):
+        return [e * -self.lr for e in extra]
+
 
 class OuterNesterov(OuterOptimizer):
     """DiLoCo's outer step: m ← β·m + Δ;  θ ← θ − ε·(Δ + β·m).
@@ -123,6 +132,11 @@ class OuterNesterov(OuterOptimizer):
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.buffers
+
+    @torch.no_grad()
+    def step_response(self, extra):
+        # θ moves by −ε·(Δ + β·(β·m + Δ)) = −ε·((1 + β)·Δ + β²·m): linear in Δ with slope −ε·(1 + β)
+        return [e * -(self.lr * (1 + self.momentum)) for e in extra]
 
 
 class OuterDelayedNesterov(OuterOptimizer):
