@@ -7,6 +7,10 @@ that rounds end together); if the run moved on while we trained, catch up again 
 θ_global and θ_local ← θ_global (commit); otherwise θ_global is left untouched and training continues from θ_local,
 so the next round's pseudo-gradient carries this round's work too (roll back).
 
+Overlap (``diloco.overlap``, net/exchange.py): the all-reduce of round t runs in the background while round t+1
+trains and is settled (committed if good) at round t+1's end; catching up with the run waits for that settle (the
+buffers are the averager's until then); leaving or finishing waits for the all-reduce in flight.
+
 Rebasing (``diloco.max_staleness``): when the peer replaces its θ_global by the run's (it missed rounds, was frozen,
 resumed from an old checkpoint, or was in the minority), its local work δ = θ_global_old − θ_local is kept:
 θ_local ← θ_global_new − δ, with its tokens still counted for the next contribution, unless the work began more than
@@ -35,7 +39,7 @@ from p2p_diloco.config import Config, ConfigError
 from p2p_diloco.net.exchange import Exchange
 from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.ops.faults import HOLD_FILE, parse_fault
-from p2p_diloco.ops.metrics import MetricsSink, build_sink
+from p2p_diloco.ops.metrics import MetricsSink, build_sink, throughput_text
 from p2p_diloco.train.dylu import PROBE_STEPS, PaceMeter, RoundPlan, plan_round, schedule_position
 from p2p_diloco.train.global_state import GlobalState
 from p2p_diloco.train.inner import RoundSteps, evaluate, progress_bar
@@ -374,7 +378,7 @@ class Peer:
             ev = f", eval {record['eval/loss']:.4f}" if "eval/loss" in record else ""
             self.log.info(f"round {self.round}: group {result.group_size}, train loss {train_loss:.4f}{ev}, "
                           f"all-reduce {result.seconds:.2f} s, sent {result.bytes_sent / 1e6:.2f} MB, "
-                          f"{_throughput(record)}")
+                          f"{throughput_text(record)}")
         else:
             self.log.warning(f"round {self.round + 1} not committed ({result.error}); θ_global kept, "
                              f"training continues from θ_local")
@@ -460,8 +464,11 @@ class Peer:
             return
         self._closed = True
         try:
-            if self._ready:
-                self._drain()  # overlap: an all-reduce in flight is finished (others need our parts) and committed
+            if self._ready:  # overlap: an all-reduce in flight is finished (others need our parts), committed if good
+                try:
+                    self._drain()
+                except Exception as e:  # noqa: BLE001 - a rank of ours died: we must still announce that we leave
+                    self.log.warning(f"the all-reduce in flight could not be settled on leaving: {e!r}")
             if self.membership is not None:
                 self.membership.leave()  # others stop counting us and stop waiting for us
             if self._ready and self.cfg.run.checkpoint_every:
@@ -476,12 +483,3 @@ class Peer:
                 self.dht.shutdown()
             self.metrics.close()
 
-
-def _throughput(record: dict) -> str:
-    """'12,345 tokens/s, MFU 41.2 %, peak 17.3 GiB' from a round record (the parts the device can tell)."""
-    text = f"{record['train/tokens_per_s']:,.0f} tokens/s"
-    if record.get("train/mfu") is not None:
-        text += f", MFU {100 * record['train/mfu']:.1f} %"
-    if record.get("device/peak_memory_gb") is not None:
-        text += f", peak {record['device/peak_memory_gb']:.1f} GiB"
-    return text

@@ -49,6 +49,7 @@ class Exchange:
         self.overlap: Optional[Overlap] = Overlap(mode, shapes) if mode != "none" else None
         self.pending = None         # net.averaging.PendingAverage: the all-reduce in flight
         self.share = 0.0            # our share of the last committed average's weight (eager)
+        self.peers = max(1, peer.cfg.run.expected_peers)  # the group we expect (eager's share before any commit)
         self.announced_speed = 0.0  # the inner-step speed we announced with our last contribution (DyLU)
         self._live_modes: list[str] = []  # the live peers' reachability when it started (explanations)
 
@@ -75,7 +76,7 @@ class Exchange:
             settled = Settled(result, committed, pending.waited, time.perf_counter())
         if self.overlap is not None:
             peer = self.peer
-            share = self.share or 1.0 / max(1, peer.cfg.run.expected_peers or 1)  # before any commit: equal shares
+            share = self.share or 1.0 / self.peers  # before any commit: an equal share
             self.overlap.advance(work, settled is not None and settled.committed, share,
                                  peer.state.outer.step_response)
             self._restart()
@@ -89,6 +90,7 @@ class Exchange:
         if peer.membership is not None:
             peer.averager.set_group_size(len(live))
         self._live_modes = [s.reachability for s in live]
+        self.peers = max(1, len(live)) if live else self.peers
         with peer.averager.pseudo_grads() as buffers:
             if self.overlap is None:
                 peer.replica.pseudo_gradient(peer.state.params, buffers)
