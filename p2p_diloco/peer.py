@@ -164,7 +164,10 @@ class Peer:
 
     def _payload_bytes(self) -> int:
         """Bytes of one pseudo-gradient on the wire."""
-        return sum(p.numel() for p in self.state.params) * (4 if self.cfg.averaging.codec == "fp32" else 2)
+        from p2p_diloco.net.wire import payload_bytes
+
+        a = self.cfg.averaging
+        return payload_bytes(sum(p.numel() for p in self.state.params), a.codec, a.average_codec)
 
     @property
     def peer_id(self) -> str:
