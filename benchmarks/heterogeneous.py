@@ -9,8 +9,8 @@ Local swarms of 4 peers (tiny model, embedded corpus, one torch thread each) who
   (README, "DyLU"); late work dropped (``max_staleness=0``);
 * ``dylu+rebase``: the same, with late work rebased (``max_staleness=4``, the default);
 * ``dylu+rebase+dn``: the same with Delayed Nesterov (N = 4, c = 0);
-* ``dylu/own-steps-lr``: ``dylu+rebase`` with the lr schedule counting each peer's own steps (``inner.lr_clock=steps``)
-  instead of the run's progress: the measurement behind the ``lr_clock`` default;
+* ``dylu/own-steps-lr``: ``dylu+rebase`` with the lr schedule counting each peer's own steps (``inner.lr_clock=steps``,
+  the default since this measurement) instead of the run's progress (``rounds``, which every other method sets);
 * ``fixed-H/drop``, ``fixed-H/rebase``, ``fixed-H/rebase+dn``: H for every peer and the default matchmaking window
   (10 s): slow peers arrive after the others averaged and fetch the run's state; their work is dropped, rebased, or
   rebased and applied with Delayed Nesterov: the measurement behind the ``max_staleness`` default.
@@ -45,17 +45,19 @@ from p2p_diloco.ops.metrics import read_jsonl
 from p2p_diloco.ops.swarm import DEMO_DEFAULTS, run_swarm, write_peer_config
 
 SLOWDOWNS = [1.0, 1.0, 2.0, 4.0]
+ROUNDS_CLOCK = {"inner.lr_clock": "rounds"}  # what these methods were measured with (the default was then)
 REBASE = {"diloco.max_staleness": 4}
 DN = {"diloco.outer_optimizer": "delayed_nesterov", "diloco.dn_delay": 4}
 METHODS = {
-    "sync": {"diloco.dylu": False, "averaging.matchmaking_time": 120.0, "averaging.request_timeout": 5.0},
-    "dylu": {"diloco.max_staleness": 0},
-    "dylu+rebase": REBASE,
-    "dylu+rebase+dn": {**REBASE, **DN},
+    "sync": {"diloco.dylu": False, "averaging.matchmaking_time": 120.0, "averaging.request_timeout": 5.0,
+             **ROUNDS_CLOCK},
+    "dylu": {"diloco.max_staleness": 0, **ROUNDS_CLOCK},
+    "dylu+rebase": {**REBASE, **ROUNDS_CLOCK},
+    "dylu+rebase+dn": {**REBASE, **DN, **ROUNDS_CLOCK},
     "dylu/own-steps-lr": {**REBASE, "inner.lr_clock": "steps"},
-    "fixed-H/drop": {"diloco.dylu": False, "diloco.max_staleness": 0},
-    "fixed-H/rebase": {"diloco.dylu": False, **REBASE},
-    "fixed-H/rebase+dn": {"diloco.dylu": False, **REBASE, **DN},
+    "fixed-H/drop": {"diloco.dylu": False, "diloco.max_staleness": 0, **ROUNDS_CLOCK},
+    "fixed-H/rebase": {"diloco.dylu": False, **REBASE, **ROUNDS_CLOCK},
+    "fixed-H/rebase+dn": {"diloco.dylu": False, **REBASE, **DN, **ROUNDS_CLOCK},
 }
 
 
