@@ -123,6 +123,12 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _at(rs, tokens: float, reference: float) -> str:
+    """Median eval loss of runs ``rs`` at ``tokens``, and its change against ``reference``."""
+    loss = _median(loss_at_tokens(r["points"], tokens) for r in rs)
+    return f"{loss:.4f} ({100 * (loss / reference - 1):+.1f}%)"
+
+
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -179,19 +185,22 @@ def print_table(runs: dict[str, list[dict]], rounds: dict[str, int]) -> None:
     sync = ok["sync"]
     target, sync_tokens = _median(r["final_loss"] for r in sync), _median(r["tokens"] for r in sync)
     sync_wall = _median(r["wall_s"] for r in sync)
+    common = min(r["tokens"] for rs in ok.values() for r in rs)  # every run got this far: equal tokens for all
     print(f"\nsync's final eval loss (the target): {target:.4f}; its tokens {sync_tokens:.0f}, "
-          f"wall {sync_wall:.0f} s\n")
+          f"wall {sync_wall:.0f} s; tokens every run reached: {common:.0f}\n")
     print("| method | rounds | wall s (x sync) | tokens (x sync) | final eval loss | sync's eval loss at this wall "
-          "time | eval loss at sync's tokens (vs sync) | wall s to sync's final loss (x sync's wall) | idle share "
-          "peer0 / peer1 / peer2 / peer3 (slowdown 1 / 1 / 2 / 4) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "time | eval loss at sync's tokens (vs sync) | eval loss at the tokens every run reached (vs sync) | "
+          "wall s to sync's final loss (x sync's wall) | idle share peer0 / peer1 / peer2 / peer3 (slowdown 1 / 1 / "
+          "2 / 4) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    sync_common = _median(loss_at_tokens(r["points"], common) for r in sync)
     for m, rs in ok.items():
         failed = [r["failed"] for r in runs[m] if "failed" in r]
-        print(_row(m, rounds[m], rs, sync, target, sync_tokens, sync_wall, failed) if rs else
+        print(_row(m, rounds[m], rs, sync, target, sync_tokens, sync_wall, failed, common, sync_common) if rs else
               f"| {m} | every run failed: {'; '.join(failed)} |")
 
 
-def _row(m, rounds, rs, sync, target, sync_tokens, sync_wall, failed) -> str:
+def _row(m, rounds, rs, sync, target, sync_tokens, sync_wall, failed, common, sync_common) -> str:
     wall, tokens = _median(r["wall_s"] for r in rs), _median(r["tokens"] for r in rs)
     sync_then = _median(loss_at_time(s["points"], wall) for s in sync)
     at_tokens = _median(loss_at_tokens(r["points"], sync_tokens) for r in rs)
@@ -203,7 +212,7 @@ def _row(m, rounds, rs, sync, target, sync_tokens, sync_wall, failed) -> str:
     reach_text = f"{_f(reach_m, '{:.0f}')}{f' ({reach_m / sync_wall:.2f})' if reach_m is not None else ''}"
     return (f"| {m} | {rounds} | {wall:.0f} ({wall / sync_wall:.2f}) | {tokens / sync_tokens:.2f} | "
             f"{_median(r['final_loss'] for r in rs):.4f} | {_f(sync_then, '{:.4f}')} | "
-            f"{_f(at_tokens, '{:.4f}')}{rel} | "
+            f"{_f(at_tokens, '{:.4f}')}{rel} | {_at(rs, common, sync_common)} | "
             f"{reach_text} [{reached}/{len(reach)} reached] | {idle} |"
             + (f" {len(failed)} run(s) failed: {'; '.join(failed)}" if failed else ""))
 
