@@ -112,10 +112,10 @@ class InnerConfig:
     grad_accum: int = _f(1, "micro-batches accumulated per inner step", "micro-batches", _positive, "must be > 0")
     grad_clip: Optional[float] = _f(1.0, "clip the inner gradient to this global norm; None: no clipping", "",
                                     _positive, "must be > 0", shared=True)
-    lr_clock: str = _f("rounds", "what the lr schedule's step counts: 'rounds': the run's progress, round x H plus "
-                       "the share of this round's steps done, so every peer is at the same point of the schedule "
-                       "whatever its speed (DyLU); 'steps': this peer's own inner steps", choices=("rounds", "steps"),
-                       shared=True)
+    lr_clock: str = _f("steps", "what the lr schedule's step counts: 'steps': this peer's own inner steps (measured "
+                       "better with DyLU: BENCHMARKS.md section 9); 'rounds': the run's progress, round x H plus the "
+                       "share of this round's steps done, so every peer is at the same point of the schedule whatever "
+                       "its speed", choices=("rounds", "steps"), shared=True)
 
 
 @dataclass

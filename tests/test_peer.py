@@ -232,7 +232,8 @@ def test_rebased_work_and_its_age_survive_a_checkpoint(tmp_path):
 def test_lr_clock_rounds_follows_the_runs_progress_and_slowdown_stretches_steps(tmp_path):
     import time
 
-    peer, _ = _peer(tmp_path, ["ok"], rounds=1, **{"inner.warmup_steps": "100", "fault.slowdown": "3"})
+    peer, _ = _peer(tmp_path, ["ok"], rounds=1, **{"inner.warmup_steps": "100", "fault.slowdown": "3",
+                                                   "inner.lr_clock": "rounds"})
     computing, step = [], peer.inner.step
 
     def timed(*args):
