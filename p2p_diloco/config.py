@@ -14,12 +14,17 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional, Union
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
+
+
+AUTO = "auto"
+FloatOrAuto = Union[float, Literal["auto"]]
+"""The type of a field whose value is a float, or "auto": derived from the run's other settings at start."""
 
 
 class ConfigError(ValueError):
@@ -53,8 +58,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     """Where token batches come from. Each peer reads its own order, derived from its name and the seed."""
-    dataset: str = _f("embedded", "'embedded' (offline corpus built from Python's own docs), a local .txt/.json/"
-                      ".jsonl/.parquet file or folder, or a Hugging Face hub dataset name")
+    dataset: str = _f("embedded", "'embedded' (1 MB offline corpus built from Python's own docs), 'stdlib' (10 MB: "
+                      "the docs and the standard library's source), a local .txt/.json/.jsonl/.parquet file or "
+                      "folder, or a Hugging Face hub dataset name")
     dataset_config: Optional[str] = _f(None, "hub dataset configuration (subset) name, e.g. 'en' for allenai/c4")
     split: str = _f("train", "dataset split to train on")
     text_field: str = _f("text", "name of the text column")
@@ -210,6 +216,8 @@ def _unwrap_optional(tp) -> tuple[Any, bool]:
 
 
 def _type_name(tp) -> str:
+    if tp == FloatOrAuto:
+        return "float or 'auto'"
     base, optional = _unwrap_optional(tp)
     name = "list of strings" if typing.get_origin(base) is list else getattr(base, "__name__", str(base))
     return f"{name} or none" if optional else name
@@ -225,6 +233,10 @@ def _coerce(key: str, tp, value, from_text: bool):
             return None
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got none")
     bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if base == FloatOrAuto:
+        if isinstance(value, str) and value.strip().lower() == AUTO:
+            return AUTO
+        base = float
     if base is bool:
         if isinstance(value, bool):
             return value

@@ -114,6 +114,12 @@ class OuterNesterov(OuterOptimizer):
         return self.buffers
 
 
+def auto_outer(peers: int, inner_steps: int) -> tuple[float, float]:
+    """(outer lr, outer momentum) of ``diloco.outer_lr = "auto"`` for a run of ``peers`` peers, H = ``inner_steps``.
+    PLACEHOLDER until the sweep is in."""
+    return 0.7, 0.9
+
+
 def build_outer_optimizer(name: str, params: Sequence[torch.Tensor], lr: float, momentum: float) -> OuterOptimizer:
     if name == "nesterov":
         return OuterNesterov(params, lr, momentum)

@@ -44,10 +44,11 @@ class ReferenceDiLoCo:
     ``cfg.run.rounds`` and ``cfg.diloco.inner_steps`` set the inner lr schedule as on a peer. ``codec``: None
     averages exactly in fp32; 'fp32', 'fp16' or 'scaled_fp16' round-trip every contribution and the average
     through hivemind's codec of that name first (the all-reduce's precision, up to which part a peer reduces).
+    ``plain_rounds``: the first rounds average plainly (θ_global ← the mean of the replicas), without the outer step.
     """
 
-    def __init__(self, cfg: Config, num_peers: int, codec: Optional[str] = None):
-        self.cfg, self.codec = cfg, codec
+    def __init__(self, cfg: Config, num_peers: int, codec: Optional[str] = None, plain_rounds: int = 0):
+        self.cfg, self.codec, self.plain_rounds = cfg, codec, plain_rounds
         self.device = torch.device("cpu")
         self.data, readers = replica_data(cfg, num_peers)
         total = schedule_total_steps(cfg.inner, cfg.run.rounds, cfg.diloco.inner_steps)
@@ -60,11 +61,13 @@ class ReferenceDiLoCo:
         self.outer = build_outer_optimizer(d.outer_optimizer, self.params, d.outer_lr, d.outer_momentum)
         self.round = 0
         self.tokens = 0  # training tokens of all replicas so far
+        self.stats: list[dict] = []  # per round: how the pseudo-gradients relate (see _stats)
+        self._previous: Optional[torch.Tensor] = None
 
     def run_round(self) -> float:
         """H inner steps on every replica, then the averaged outer step; returns the mean training loss."""
         total = [torch.zeros_like(p) for p in self.params]
-        weight_sum, losses = 0.0, []
+        weight_sum, losses, norms = 0.0, [], []
         delta = [torch.empty_like(p) for p in self.params]
         for model, inner, reader in self.replicas:
             tokens = 0
@@ -73,17 +76,35 @@ class ReferenceDiLoCo:
                 losses.append(out.loss)
                 tokens += out.tokens
             pseudo_gradient(self.params, model.parameters(), delta)
+            norms.append(_norm(delta))
             weight = float(tokens) if self.cfg.diloco.weight_by_tokens else 1.0
             for t, d in zip(total, self._wire(delta)):
                 t.add_(d, alpha=weight)
             weight_sum += weight
             self.tokens += tokens
         averaged = self._wire([t.div_(weight_sum) for t in total])
-        self.outer.step(self.params, averaged, num_contributions=len(self.replicas))
+        self._stats(averaged, norms)
+        if self.round < self.plain_rounds:  # a study knob: plain averaging before the outer optimizer takes over
+            for p, d in zip(self.params, averaged):
+                p.sub_(d)
+        else:
+            self.outer.step(self.params, averaged, num_contributions=len(self.replicas))
         for model, _, _ in self.replicas:
             load_into(model.parameters(), self.params)
         self.round += 1
         return sum(losses) / len(losses)
+
+    def _stats(self, averaged: list[torch.Tensor], norms: list[float]) -> None:
+        """``agreement``: |Δ| / mean |δ_i| (1: the replicas moved alike; 1/sqrt(M): independent directions);
+        ``cos_previous``: cosine of Δ with the previous round's Δ (> 0: rounds push the same way, which outer momentum
+        amplifies; < 0: they undo each other)."""
+        flat = torch.cat([a.flatten() for a in averaged])
+        cos = None
+        if self._previous is not None:
+            cos = float(flat @ self._previous / (flat.norm() * self._previous.norm()).clamp_min(1e-30))
+        self._previous = flat
+        self.stats.append({"norm": float(flat.norm()), "agreement": float(flat.norm()) / (sum(norms) / len(norms)),
+                           "cos_previous": cos})
 
     def evaluate(self, batches: Optional[list[torch.Tensor]] = None) -> float:
         """Held-out loss of θ_global (every replica holds it between rounds) on ``batches`` (default: the run's)."""
@@ -98,3 +119,7 @@ class ReferenceDiLoCo:
 
         kind = CODECS[self.codec].compression_type
         return [deserialize_torch_tensor(serialize_torch_tensor(t.flatten(), kind)).view_as(t) for t in tensors]
+
+
+def _norm(tensors: list[torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((t.double() ** 2).sum() for t in tensors)))
