@@ -1,9 +1,7 @@
-"""A private network for benchmarks: N network namespaces on one Linux bridge, links rate-limited with ``tc tbf``.
-
-Namespace ``{tag}{i}`` holds interface ``eth0`` with address 10.77.0.{i+1}/24, joined to bridge ``{tag}br`` by a veth
-pair. The bridge has no address in the root namespace and nothing routes out: traffic stays between the namespaces.
-``set_rate`` shapes both directions of every peer's link (its upload on ``eth0``, its download on the host end of its
-veth), so each peer has a full-duplex link of the given rate. Needs root (``ip netns``); everything is removed on exit.
+"""Network namespaces for benchmarks: the emulated internet of ``p2p_diloco/ops/netlab.py`` (public hosts on one
+bridge, home hosts behind NAT routers, links shaped with ``tc tbf``; every lab has its own random tag, lives
+entirely in its own namespaces and removes them on exit), plus the JSON-lines workers the benchmark scripts run in
+those namespaces. Needs root (``ip netns``).
 """
 
 from __future__ import annotations
@@ -13,66 +11,8 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Optional
 
-SUBNET = "10.77.0"
-
-
-def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(list(args), check=check, capture_output=True, text=True)
-
-
-class NetLab:
-    def __init__(self, n: int, tag: str = "pdb"):
-        self.n, self.tag = n, tag
-        self.bridge = f"{tag}br"
-        self.namespaces = [f"{tag}{i}" for i in range(n)]
-
-    def address(self, i: int) -> str:
-        return f"{SUBNET}.{i + 1}"
-
-    def host_veth(self, i: int) -> str:
-        return f"{self.tag}v{i}"
-
-    def __enter__(self) -> "NetLab":
-        self.remove()  # leftovers of an interrupted run of ours
-        try:
-            sh("ip", "link", "add", self.bridge, "type", "bridge")
-            sh("ip", "link", "set", self.bridge, "up")
-            for i, ns in enumerate(self.namespaces):
-                sh("ip", "netns", "add", ns)
-                sh("ip", "link", "add", self.host_veth(i), "type", "veth", "peer", "name", "eth0", "netns", ns)
-                sh("ip", "link", "set", self.host_veth(i), "master", self.bridge, "up")
-                sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
-                sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
-                sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        except BaseException:
-            self.remove()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
-
-    def remove(self) -> None:
-        for ns in self.namespaces:
-            sh("ip", "netns", "del", ns, check=False)  # removes its veth pair too
-        sh("ip", "link", "del", self.bridge, check=False)
-
-    def set_rate(self, mbit: Optional[float]) -> None:
-        """Shape every link to ``mbit`` Mbit/s each way (None: unshaped)."""
-        for i, ns in enumerate(self.namespaces):
-            for prefix, dev in ((["ip", "netns", "exec", ns], "eth0"), ([], self.host_veth(i))):
-                if mbit is None:
-                    sh(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)
-                    continue
-                rate_bytes = mbit * 1e6 / 8
-                burst = max(int(rate_bytes * 0.004), 64 * 1024)  # >= rate / HZ, so tbf can reach its rate
-                sh(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
-                   "burst", str(burst), "latency", "100ms")
-
-    def exec_prefix(self, i: int) -> list[str]:
-        return ["ip", "netns", "exec", self.namespaces[i]]
+from p2p_diloco.ops.netlab import Internet, NetLab, unavailable_reason  # noqa: F401  (re-exported for the scripts)
 
 
 def link_bytes(dev: str = "eth0") -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""``p2p-diloco``: bootstrap | peer | swarm. Thin: parse, build, run, and clean up in ``finally``.
+"""``p2p-diloco``: bootstrap | peer | swarm | status | export | generate | plot | doctor. Thin: parse, build,
+run, and clean up in ``finally``.
 
 Bad input (unknown key, wrong type, missing file, unreachable initial peer) prints one line and exits with code 2.
 """
@@ -27,15 +28,33 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
+    args = None
     try:
         overrides, rest = parse_overrides(argv)
         args, unknown = parser.parse_known_args(rest)
+        args.argv = argv  # for a peer that relaunches itself under torchrun
         if unknown:
             raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (config keys look like --section.key=value)")
-        return args.func(args, overrides)
+        if overrides and not getattr(args, "reads_config", True):
+            raise ConfigError(f"{argv[0]}: takes no config keys (got --{next(iter(overrides))})")
+        code = args.func(args, overrides)
     except (ConfigError, JoinError) as e:
         _fail(str(e))
-    return USAGE_ERROR
+        code = USAGE_ERROR
+    if args is not None and getattr(args, "func", None) is _cmd_peer:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End a peer process without the interpreter's teardown. Peer.close() has saved and fsynced the checkpoint,
+    closed the metrics and shut the DHT and averager down; what is left is garbage collection over the objects of
+    torch, transformers and hivemind, which took 5 s on an idle 2-core machine and over 30 s on a busy one, so that
+    a stopped peer lingered (and a restarted one waited) for that long."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _fail(message: str) -> None:
@@ -52,12 +71,18 @@ def _parser() -> argparse.ArgumentParser:
 
     def command(name: str, help_text: str, func, sections: Optional[list[str]],
                 defaults: Optional[dict] = None) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=argparse.RawDescriptionHelpFormatter,
-                           epilog="config keys (in a TOML file under [section], or as --section.key=value):\n"
-                                  + describe(sections, defaults))
-        p.add_argument("--config", metavar="FILE", help="TOML config file; --section.key=value flags override it")
-        p.set_defaults(func=func)
+        if sections == []:  # a command that reads no config
+            p = sub.add_parser(name, help=help_text, description=help_text)
+        else:
+            p = sub.add_parser(name, help=help_text, description=help_text,
+                               formatter_class=argparse.RawDescriptionHelpFormatter,
+                               epilog="config keys (in a TOML file under [section], or as --section.key=value; "
+                                      "'run setting': every peer of a run holds the same value):\n"
+                                      + describe(sections, defaults))
+            p.add_argument("--config", metavar="FILE", action="append",
+                           help="TOML config file; repeat it to layer files (e.g. a run config, then a machine "
+                                "config: later files win); --section.key=value flags override them")
+        p.set_defaults(func=func, reads_config=sections != [])
         return p
 
     from p2p_diloco.ops.bootstrap import DEFAULTS as BOOTSTRAP_DEFAULTS
@@ -71,6 +96,14 @@ def _parser() -> argparse.ArgumentParser:
                 _cmd_peer, None)
     p.add_argument("--initial-peers", metavar="MADDR[,MADDR]",
                    help="multiaddrs of any live node of the run (same as --network.initial_peers)")
+    p.add_argument("--nproc-per-node", type=int, metavar="K",
+                   help="run this peer as K processes, one per GPU of this machine (data parallel inside the peer; "
+                        "the same as starting it with torchrun --standalone --nproc-per-node K -m p2p_diloco peer)")
+
+    d = command("doctor", "Check this machine's view of a swarm (initial peers, reachability, relay, clock, shared "
+                "memory, disk, GPU): one verdict per line, to paste into an issue.", _cmd_doctor, None)
+    d.add_argument("--initial-peers", metavar="MADDR[,MADDR]",
+                   help="multiaddrs of any live node of the run (same as --network.initial_peers)")
 
     s = command("swarm", "Run a bootstrap node and N peers on 127.0.0.1 (the demo, and the shape of our tests).",
                 _cmd_swarm, None, DEMO_DEFAULTS)
@@ -83,6 +116,44 @@ def _parser() -> argparse.ArgumentParser:
                    help="inject seeded failures: SIGKILLs during an all-reduce, inner steps or matchmaking and "
                         "while serving state, a graceful leave, two joins, a bootstrap kill (needs --peers >= 3, "
                         "--rounds >= 6)")
+    s.add_argument("--slowdown", metavar="F[,F...]", default=None,
+                   help="fault.slowdown of each peer in turn, e.g. 1,1,2,4: peer i sleeps (F - 1) x each inner "
+                        "step's compute time after it, behaving like a machine F times slower (default: all 1)")
+    s.add_argument("--no-report", action="store_true",
+                   help="skip the text sample from the final θ_global and the plots at the end of the run")
+
+    st = command("status", "Show a live run from the DHT, read-only: each peer's round, digest agreement, speed, "
+                 "reachability, last all-reduce; the run's round and tokens.", _cmd_status,
+                 ["network", "run", "averaging"])
+    st.add_argument("--initial-peers", metavar="MADDR[,MADDR]",
+                    help="multiaddrs of any live node of the run (same as --network.initial_peers)")
+    st.add_argument("--watch", type=float, nargs="?", const=5.0, default=None, metavar="SECONDS",
+                    help="refresh every SECONDS (default 5) until Ctrl-C")
+    st.add_argument("--json", action="store_true", help="print JSON (one object per refresh) instead of a table")
+
+    e = command("export", "Write θ_global of a run as a Hugging Face folder (config, safetensors, tokenizer).",
+                _cmd_export, [])
+    e.add_argument("run_dir", metavar="RUN_DIR", help="a peer's run folder, or a swarm's (its peers' folders inside)")
+    e.add_argument("out", metavar="OUT", help="folder to write (must not exist, or be empty)")
+    e.add_argument("--round", type=int, default=None,
+                   help="that round, from a checkpoint at it or a peer's export (run.export_every); default: the "
+                        "latest round saved")
+
+    g = command("generate", "Print sampled continuations of a prompt from θ_global of a run or an exported folder.",
+                _cmd_generate, [])
+    g.add_argument("--run-dir", required=True, metavar="DIR", help="a run folder (peer or swarm) or an exported folder")
+    g.add_argument("--prompt", required=True, help="the text to continue")
+    g.add_argument("--samples", type=int, default=3, help="continuations to draw (default 3)")
+    g.add_argument("--max-new-tokens", type=int, default=100, help="tokens per continuation (default 100)")
+    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8)")
+    g.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default 50)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text (default 0)")
+    g.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+
+    pl = command("plot", "Draw a run's metrics as PNGs: loss per peer, round timeline, group size and traffic.",
+                 _cmd_plot, [])
+    pl.add_argument("run_dir", metavar="RUN_DIR", help="a peer's run folder, or a swarm's")
+    pl.add_argument("--out", metavar="DIR", default=None, help="folder for the PNGs (default: RUN_DIR)")
     return parser
 
 
@@ -102,10 +173,24 @@ def _cmd_bootstrap(args, overrides: dict[str, str]) -> int:
 def _cmd_peer(args, overrides: dict[str, str]) -> int:
     if args.initial_peers:
         overrides = {"network.initial_peers": args.initial_peers, **overrides}
-    cfg = load_config(args.config, overrides)  # bad input fails here, before the slow imports below
+    given: set[str] = set()  # the keys set by files and flags: the run's published settings complete the others
+    cfg = load_config(args.config, overrides, given=given)  # bad input fails here, before the slow imports below
+    from p2p_diloco.ops import ranks
+
+    if args.nproc_per_node is not None:
+        if args.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node: must be >= 1, got {args.nproc_per_node}")
+        command = ranks.torchrun_argv(args.nproc_per_node, args.argv)
+        os.execv(command[0], command)
+    rank = ranks.rank()
+    if rank is not None:
+        ranks.as_torchrun_worker()
+    if rank:
+        _setup_logging(f"{cfg.run.name or 'peer'}/rank{rank}")
+        return ranks.run_follower(cfg)
     from p2p_diloco.peer import Peer
 
-    peer = Peer(cfg)
+    peer = Peer(cfg, given=given)
     _setup_logging(peer.name)
     try:
         peer.start()
@@ -115,6 +200,16 @@ def _cmd_peer(args, overrides: dict[str, str]) -> int:
     finally:
         peer.close()
     return 0
+
+
+def _cmd_doctor(args, overrides: dict[str, str]) -> int:
+    from p2p_diloco.ops.doctor import run_doctor
+
+    if args.initial_peers:
+        overrides = {"network.initial_peers": args.initial_peers, **overrides}
+    cfg = load_config(args.config, overrides)
+    _setup_logging("doctor", level=logging.WARNING)
+    return run_doctor(cfg, echo=lambda s: print(s, flush=True))
 
 
 def _cmd_swarm(args, overrides: dict[str, str]) -> int:
@@ -128,12 +223,74 @@ def _cmd_swarm(args, overrides: dict[str, str]) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
     if args.chaos is not None and (args.peers < 3 or args.rounds < 6):
         raise ConfigError("--chaos: needs --peers >= 3 and --rounds >= 6")
+    slowdowns = _slowdowns(args.slowdown, args.peers)
     # validate everything before starting a single process; peers then read one effective config file
     cfg = load_config(args.config, overrides, defaults=DEMO_DEFAULTS)
+    if not args.no_report and cfg.run.sample_every == 0:
+        cfg.run.sample_every = args.rounds  # the peers log a text sample of the final θ_global for the report
     peer_args = write_peer_config(args.run_dir, cfg)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # a TERM must end the children too, as Ctrl+C does
     return run_swarm(args.peers, args.rounds, args.inner_steps, args.run_dir, peer_args, timeout=args.timeout,
-                     chaos=args.chaos, echo=lambda s: print(s, flush=True))
+                     chaos=args.chaos, slowdowns=slowdowns, echo=lambda s: print(s, flush=True),
+                     report=not args.no_report)
+
+
+def _slowdowns(text: Optional[str], peers: int) -> Optional[list[float]]:
+    if text is None:
+        return None
+    try:
+        factors = [float(f) for f in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--slowdown: expected comma-separated factors >= 1, e.g. 1,1,2,4, got {text!r}") from None
+    if len(factors) > peers or any(not f >= 1 for f in factors):
+        raise ConfigError(f"--slowdown: expected at most {peers} factors (one per peer), each >= 1, got {text!r}")
+    return factors
+
+
+def _cmd_status(args, overrides: dict[str, str]) -> int:
+    if args.initial_peers:
+        overrides = {"network.initial_peers": args.initial_peers, **overrides}
+    cfg = load_config(args.config, overrides)
+    if not cfg.network.initial_peers:
+        raise ConfigError("status: needs --initial-peers (the multiaddr of any live node of the run)")
+    if args.watch is not None and args.watch <= 0:
+        raise ConfigError(f"--watch: must be > 0, got {args.watch}")
+    from p2p_diloco.ops.status import run_status
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)  # stdout carries the view (JSON for scripts)
+    stop = threading.Event()
+    _on_stop_signals(stop)
+    return run_status(cfg, args.watch, args.json, stop, echo=lambda s: print(s, flush=True))
+
+
+def _cmd_export(args, overrides: dict[str, str]) -> int:
+    from p2p_diloco.ops.export import export_run
+
+    round_, out = export_run(args.run_dir, args.out, args.round)
+    print(f"θ_global of round {round_} exported to {out}: load it with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
+def _cmd_generate(args, overrides: dict[str, str]) -> int:
+    for flag in ("samples", "max_new_tokens", "top_k"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+    if args.temperature <= 0:
+        raise ConfigError(f"--temperature: must be > 0, got {args.temperature}")
+    from p2p_diloco.ops.generate import run_generate
+
+    run_generate(args.run_dir, args.prompt, args.samples, args.max_new_tokens, args.temperature, args.top_k,
+                 args.seed, args.device, echo=print)
+    return 0
+
+
+def _cmd_plot(args, overrides: dict[str, str]) -> int:
+    from p2p_diloco.ops.plot import write_plots
+
+    for path in write_plots(args.run_dir, args.out):
+        print(path)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -151,8 +308,8 @@ def _on_stop_signals(stop: threading.Event) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def _setup_logging(name: str) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+def _setup_logging(name: str, level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, stream=sys.stdout,
                         format=f"%(asctime)s {name} %(levelname)s %(message)s", datefmt="%H:%M:%S")
     for noisy in ("hivemind", "httpx", "datasets", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -32,9 +32,14 @@ class ConfigError(ValueError):
 
 
 def _f(default: Any, help: str, unit: str = "", check: Optional[Callable[[Any], bool]] = None, rule: str = "",
-       choices: tuple = ()) -> Any:
-    """A config field with its documentation and validation attached as metadata."""
-    meta = {"help": help, "unit": unit, "check": check, "rule": rule, "choices": choices}
+       choices: tuple = (), shared: bool = False) -> Any:
+    """A config field with its documentation and validation attached as metadata.
+
+    ``shared``: a run setting, which every peer of a run must hold equal (published in the DHT; a joiner adopts the
+    run's value or is refused, see :func:`first_difference`); otherwise a setting of this machine alone. A new field
+    that changes what peers compute together (the model, the data, the math of a round) must be ``shared=True``.
+    """
+    meta = {"help": help, "unit": unit, "check": check, "rule": rule, "choices": choices, "shared": shared}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -51,8 +56,18 @@ def _non_negative(x) -> bool:
 @dataclass
 class ModelConfig:
     """The causal language model every peer of a run trains (identical on all peers)."""
-    name: str = _f("tiny", "preset (tiny, 60m, 150m, 400m, 1b) or a path to a Hugging Face config.json or its folder")
-    seq_len: int = _f(128, "sequence length of a training sample", "tokens", _positive, "must be > 0")
+    name: str = _f("tiny", "preset (tiny, 60m, 150m, 400m, 1b) or a path to a Hugging Face config.json or its folder",
+                   shared=True)
+    seq_len: int = _f(128, "sequence length of a training sample", "tokens", _positive, "must be > 0", shared=True)
+    init_from: Optional[str] = _f(None, "start from a pretrained Hugging Face checkpoint: a local folder (saved with "
+                                  "save_pretrained; offline) or a hub name (downloaded once into the Hugging Face "
+                                  "cache); its weights are θ_global at round 0 on every peer, its architecture "
+                                  "replaces model.name, and data.tokenizer='auto' takes its tokenizer. A run-wide "
+                                  "setting: peers check before round 1 that they start from the same bytes",
+                                  shared=True)
+    gradient_checkpointing: bool = _f(False, "recompute each layer's activations in the backward pass instead of "
+                                      "keeping them: about a third more compute for much less memory (larger "
+                                      "micro-batches; see peers/*.toml). A per-machine choice: results are the same")
 
 
 @dataclass
@@ -60,56 +75,94 @@ class DataConfig:
     """Where token batches come from. Each peer reads its own order, derived from its name and the seed."""
     dataset: str = _f("embedded", "'embedded' (1 MB offline corpus built from Python's own docs), 'stdlib' (10 MB: "
                       "the docs and the standard library's source), a local .txt/.json/.jsonl/.parquet file or "
-                      "folder, or a Hugging Face hub dataset name")
-    dataset_config: Optional[str] = _f(None, "hub dataset configuration (subset) name, e.g. 'en' for allenai/c4")
-    split: str = _f("train", "dataset split to train on")
-    text_field: str = _f("text", "name of the text column")
-    streaming: bool = _f(True, "stream hub datasets instead of downloading them whole (local files are never streamed)")
-    tokenizer: str = _f("byte", "'byte' (256-symbol byte-level tokenizer) or a Hugging Face tokenizer name or path")
+                      "folder, or a Hugging Face hub dataset name", shared=True)
+    dataset_config: Optional[str] = _f(None, "hub dataset configuration (subset) name, e.g. 'en' for allenai/c4",
+                                       shared=True)
+    split: str = _f("train", "dataset split to train on", shared=True)
+    text_field: str = _f("text", "name of the text column", shared=True)
+    streaming: bool = _f(True, "stream hub datasets instead of downloading them whole (local files: see "
+                          "stream_files)")
+    tokenizer: str = _f("auto", "'byte' (256-symbol byte-level tokenizer), a Hugging Face tokenizer name or path, or "
+                        "'auto': model.init_from's own tokenizer when that is set, else 'byte'", shared=True)
     eval_fraction: float = _f(0.02, "share of the data held out for evaluation (local data; hub streams hold out "
-                              "their first documents)", "fraction", lambda x: 0 < x < 0.5, "must be in (0, 0.5)")
-    eval_batches: int = _f(4, "batches in one held-out evaluation", "batches", _positive, "must be > 0")
-    seed: int = _f(0, "seed mixed with the peer name to pick each peer's data order")
+                              "their first documents)", "fraction", lambda x: 0 < x < 0.5, "must be in (0, 0.5)",
+                              shared=True)
+    eval_batches: int = _f(4, "batches in one held-out evaluation", "batches", _positive, "must be > 0", shared=True)
+    seed: int = _f(0, "seed mixed with the peer name to pick each peer's data order", shared=True)
+    stream_files: bool = _f(False, "read a local file or folder through the same streamed reader as hub datasets "
+                            "(shuffle buffer, packed documents) instead of loading it whole: for local corpora larger "
+                            "than memory, e.g. hub files downloaded beforehand on an offline machine")
+    prefetch_batches: int = _f(8, "batches of streamed data tokenized ahead on a background thread, so tokenizing "
+                               "overlaps the inner steps; 0: tokenize in the training loop", "batches",
+                               _non_negative, "must be >= 0")
+    tokenizer_threads: int = _f(1, "threads tokenizing streamed documents (Hugging Face tokenizers release the GIL, "
+                                "so each uses a core); raise it when one core cannot keep up with the GPU (see "
+                                "BENCHMARKS.md)", "threads", _positive, "must be > 0")
 
 
 @dataclass
 class InnerConfig:
     """The local AdamW loop (inner steps). Defaults follow the DiLoCo paper (Table 5)."""
-    lr: float = _f(4e-4, "peak AdamW learning rate", "", _positive, "must be > 0")
-    weight_decay: float = _f(0.1, "AdamW weight decay", "", _non_negative, "must be >= 0")
-    beta1: float = _f(0.9, "AdamW beta1", "", lambda x: 0 <= x < 1, "must be in [0, 1)")
-    beta2: float = _f(0.95, "AdamW beta2", "", lambda x: 0 <= x < 1, "must be in [0, 1)")
-    warmup_steps: int = _f(1000, "linear learning-rate warm-up", "inner steps", _non_negative, "must be >= 0")
+    lr: float = _f(4e-4, "peak AdamW learning rate", "", _positive, "must be > 0", shared=True)
+    weight_decay: float = _f(0.1, "AdamW weight decay", "", _non_negative, "must be >= 0", shared=True)
+    beta1: float = _f(0.9, "AdamW beta1", "", lambda x: 0 <= x < 1, "must be in [0, 1)", shared=True)
+    beta2: float = _f(0.95, "AdamW beta2", "", lambda x: 0 <= x < 1, "must be in [0, 1)", shared=True)
+    warmup_steps: int = _f(1000, "linear learning-rate warm-up", "inner steps", _non_negative, "must be >= 0",
+                           shared=True)
     cosine_steps: Optional[int] = _f(None, "inner steps over which the lr decays by cosine after warm-up; None: "
                                      "run.rounds x diloco.inner_steps, or constant if rounds is None",
-                                     "inner steps", _positive, "must be > 0")
+                                     "inner steps", _positive, "must be > 0", shared=True)
     min_lr_ratio: float = _f(0.1, "floor of the cosine decay, as a share of lr", "fraction",
-                             lambda x: 0 <= x <= 1, "must be in [0, 1]")
+                             lambda x: 0 <= x <= 1, "must be in [0, 1]", shared=True)
     batch_size: int = _f(8, "sequences per micro-batch", "sequences", _positive, "must be > 0")
     grad_accum: int = _f(1, "micro-batches accumulated per inner step", "micro-batches", _positive, "must be > 0")
     grad_clip: Optional[float] = _f(1.0, "clip the inner gradient to this global norm; None: no clipping", "",
-                                    _positive, "must be > 0")
+                                    _positive, "must be > 0", shared=True)
+    lr_clock: str = _f("rounds", "what the lr schedule's step counts: 'rounds': the run's progress, round x H plus "
+                       "the share of this round's steps done, so every peer is at the same point of the schedule "
+                       "whatever its speed (DyLU); 'steps': this peer's own inner steps", choices=("rounds", "steps"),
+                       shared=True)
 
 
 @dataclass
 class DiLoCoConfig:
     """The outer loop: H inner steps, then an all-reduce of pseudo-gradients and an outer step on θ_global."""
-    inner_steps: int = _f(500, "H: inner steps between two all-reduces", "inner steps", _positive, "must be > 0")
-    outer_optimizer: str = _f("nesterov", "outer update rule applied to the averaged pseudo-gradient",
-                              choices=("nesterov", "sgd"))
-    outer_lr: float = _f(0.7, "ε: outer learning rate", "", _positive, "must be > 0")
-    outer_momentum: float = _f(0.9, "β: outer momentum", "", lambda x: 0 <= x < 1, "must be in [0, 1)")
-    weight_by_tokens: bool = _f(True, "weight each peer's pseudo-gradient by the tokens it processed (else equally)")
+    inner_steps: int = _f(500, "H: inner steps between two all-reduces", "inner steps", _positive, "must be > 0",
+                          shared=True)
+    outer_optimizer: str = _f("nesterov", "outer update rule applied to the averaged pseudo-gradient; "
+                              "delayed_nesterov: Delayed Nesterov (Asynchronous Local-SGD, Alg. 3), for runs whose "
+                              "rounds mix contributions of different staleness", choices=("nesterov", "sgd",
+                                                                                         "delayed_nesterov"),
+                              shared=True)
+    outer_lr: float = _f(0.7, "ε: outer learning rate", "", _positive, "must be > 0", shared=True)
+    outer_momentum: float = _f(0.9, "β: outer momentum", "", lambda x: 0 <= x < 1, "must be in [0, 1)", shared=True)
+    weight_by_tokens: bool = _f(True, "weight each peer's pseudo-gradient by the tokens it processed (else equally)",
+                                shared=True)
+    dylu: bool = _f(True, "Dynamic Local Updates: the fastest live peer runs inner_steps (H) per round, every other "
+                    "peer floor(its speed / the fastest's x H), so rounds end together; speeds are measured and "
+                    "published in the roster (equal peers: every peer runs about H)", shared=True)
+    min_inner_steps: int = _f(1, "fewest inner steps a peer runs in a round under DyLU (also bounds what a peer "
+                              "publishing an absurd speed can do to the others)", "inner steps", _positive,
+                              "must be > 0", shared=True)
+    max_staleness: int = _f(4, "a peer that fetches the run's state because it fell behind keeps (rebases onto the "
+                            "new θ_global) the local work it did since its last commit if that work began at most "
+                            "this many rounds before the run's round; older work is dropped; 0: always drop",
+                            "rounds", _non_negative, "must be >= 0", shared=True)
+    dn_delay: Optional[int] = _f(None, "N of Delayed Nesterov: contributions per momentum update; set it to the "
+                                 "number of peers you expect in a round (required with delayed_nesterov)",
+                                 "contributions", _positive, "must be > 0", shared=True)
+    dn_c: float = _f(0.0, "c of Delayed Nesterov, in [0, 1/N]: share of the momentum applied at every arrival "
+                     "(0: only at momentum updates)", "", _non_negative, "must be >= 0", shared=True)
 
 
 @dataclass
 class AveragingConfig:
     """The fault-tolerant all-reduce. Every wait is bounded by one of the timeouts below."""
     codec: str = _f("scaled_fp16", "wire format of pseudo-gradients (scaled_fp16 and fp16 send 16 bits per value)",
-                    choices=("scaled_fp16", "fp16", "fp32"))
+                    choices=("scaled_fp16", "fp16", "fp32"), shared=True)
     min_group_size: int = _f(2, "fewest peers (this one included) a round needs to commit; alone, a peer keeps "
-                             "training and retries next round", "peers", _positive, "must be > 0")
-    target_group_size: int = _f(64, "most peers averaged in one group", "peers", _positive, "must be > 0")
+                             "training and retries next round", "peers", _positive, "must be > 0", shared=True)
+    target_group_size: int = _f(64, "most peers averaged in one group", "peers", _positive, "must be > 0", shared=True)
     matchmaking_time: float = _f(10.0, "how long to gather a group before an all-reduce; raise on slow or busy "
                                  "links", "s", _positive, "must be > 0")
     allreduce_timeout: float = _f(120.0, "whole all-reduce, after the group formed; raise for large models on "
@@ -118,7 +171,7 @@ class AveragingConfig:
                                    "declared dead", "s", _positive, "must be > 0")
     request_timeout: float = _f(5.0, "one DHT or matchmaking request; keep below matchmaking_time", "s",
                                 _positive, "must be > 0")
-    part_size_bytes: int = _f(2 ** 19, "streaming chunk of a part", "bytes", _positive, "must be > 0")
+    part_size_bytes: int = _f(2 ** 19, "streaming chunk of a part", "bytes", _positive, "must be > 0", shared=True)
     state_timeout: float = _f(120.0, "one donor's whole state transfer to a joining or repairing peer, before the "
                               "next donor is tried; raise for large models on slow links", "s", _positive,
                               "must be > 0")
@@ -140,16 +193,33 @@ class NetworkConfig:
     client_mode: bool = _f(False, "dial out only (behind NAT); needs at least one public peer in the group")
     join_timeout: float = _f(30.0, "how long to wait for an initial peer to answer before giving up", "s",
                              _positive, "must be > 0")
+    reachability: str = _f("auto", "can others dial this node? auto: ask peers to dial it back (p2pd's AutoNAT), "
+                           "then take part as a public node, through a relay, or in client mode; public: skip the "
+                           "check (a bootstrap node also serves as a relay); private: behind NAT, skip the check",
+                           choices=("auto", "public", "private"))
+    trusted_relays: list[str] = _f([], "multiaddrs of relays to reserve a slot at when others cannot dial this node "
+                                   "(a p2p-diloco bootstrap node on a public host is one); empty: the initial peers",
+                                   check=lambda maddrs: all(m.startswith("/") and "/p2p/" in m for m in maddrs),
+                                   rule="expected multiaddrs with a peer id, e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
+    reachability_timeout: float = _f(40.0, "how long reachability=auto waits for AutoNAT's verdict (p2pd asks "
+                                     "peers to dial back 15 s after start)", "s", _positive, "must be > 0")
+    relay_data_limit: int = _f(1 << 32, "a relayed connection through this node is reset after carrying this many "
+                               "bytes each way (a round in flight then fails); raise it on a bootstrap node relaying "
+                               "big models", "bytes", _positive, "must be > 0")
+    relay_time_limit: float = _f(1800.0, "a relayed connection through this node is reset after this long (a round "
+                                 "in flight then fails); raise it for rounds longer than a few minutes", "s",
+                                 _positive, "must be > 0")
 
 
 @dataclass
 class RunConfig:
     """Identity of the run and of this peer, length, logging and checkpoints."""
-    run_id: str = _f("p2p-diloco", "name shared by all peers of one training run (peers of other runs ignore it)")
+    run_id: str = _f("p2p-diloco", "name shared by all peers of one training run (peers of other runs ignore it)",
+                     shared=True)
     name: Optional[str] = _f(None, "this peer's name in logs and metrics; None: hostname-pid")
     run_dir: str = _f("runs/default", "folder for metrics.jsonl and checkpoints of this peer")
     rounds: Optional[int] = _f(None, "rounds (outer steps) to train; None: until stopped", "rounds",
-                               _positive, "must be > 0")
+                               _positive, "must be > 0", shared=True)
     eval_every: int = _f(1, "evaluate θ_global on held-out data every K rounds; 0: never", "rounds",
                          _non_negative, "must be >= 0")
     checkpoint_every: int = _f(1, "save a checkpoint every K rounds; 0: never", "rounds", _non_negative,
@@ -165,7 +235,38 @@ class RunConfig:
     join_after_round: Optional[int] = _f(None, "stay out of the run (not in the roster, not averaging) until it "
                                          "reaches this round, then join it; the local swarm uses it to time joins",
                                          "rounds", _positive, "must be > 0")
-    seed: int = _f(0, "seed of the initial θ_global (must match across peers) and of dropout")
+    seed: int = _f(0, "seed of the initial θ_global (must match across peers) and of dropout", shared=True)
+    compile: bool = _f(False, "torch.compile the model (the first inner step then takes minutes; later ones are "
+                       "faster, mostly on GPUs); a per-machine choice")
+    peak_tflops: Optional[float] = _f(None, "peak dense bf16 TFLOPS of one device, for the MFU in the metrics; "
+                                      "None: known GPUs are looked up by name (train/flops.py), others get no MFU",
+                                      "TFLOPS", _positive, "must be > 0")
+    rank_timeout: float = _f(3600.0, "multi-GPU peers (torchrun): longest wait of one process for another of the "
+                             "same peer; ranks > 0 wait for rank 0 while it averages or fetches state, so keep it "
+                             "above those waits. A rank that dies is noticed at once, not after this", "s",
+                             _positive, "must be > 0")
+    export_every: int = _f(0, "write θ_global as a Hugging Face folder to run_dir/exports/round-NNNNNN every K "
+                           "committed rounds (kept: 'p2p-diloco export --round' reads them); 0: never", "rounds",
+                           _non_negative, "must be >= 0")
+    sample_every: int = _f(0, "log a short text sample of θ_global (run.sample_prompt continued by 100 tokens, seed "
+                           "0) as a metrics record every K committed rounds; 0: never", "rounds", _non_negative,
+                           "must be >= 0")
+    sample_prompt: str = _f("The ", "the prompt of those samples")
+    tensorboard: bool = _f(False, "also write metrics as TensorBoard event files to run_dir/tensorboard",
+                           check=lambda on: not on or _installed("tensorboard"),
+                           rule="needs the tensorboard package: pip install 'p2p-diloco[tensorboard]'")
+    wandb_project: Optional[str] = _f(None, "also log metrics to this Weights & Biases project (files under "
+                                      "run_dir/wandb); None: off", check=lambda _: _installed("wandb"),
+                                      rule="needs the wandb package: pip install 'p2p-diloco[wandb]'")
+    wandb_mode: str = _f("offline", "W&B mode: offline writes locally and never touches the network (upload "
+                         "later with 'wandb sync'); online streams to the W&B server", choices=("offline", "online"))
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (optional extras are checked on load)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def _valid_fault(text) -> bool:
@@ -181,9 +282,14 @@ def _valid_fault(text) -> bool:
 @dataclass
 class FaultConfig:
     """Testing only: make this peer fail on purpose (see p2p_diloco/ops/faults.py)."""
-    inject: Optional[str] = _f(None, "'kill:PHASE:ROUND' or 'stall:PHASE:ROUND', PHASE one of inner, matchmaking, "
-                               "allreduce, serving", check=_valid_fault,
+    inject: Optional[str] = _f(None, "'kill:PHASE:ROUND', 'stall:PHASE:ROUND' (SIGSTOP), 'term:PHASE:ROUND' (a "
+                               "graceful stop) or 'hold:PHASE:ROUND' (wait until run_dir/hold is removed), PHASE one "
+                               "of inner, matchmaking, allreduce, serving",
+                               check=_valid_fault,
                                rule="expected ACTION:PHASE:ROUND, e.g. kill:allreduce:3")
+    slowdown: float = _f(1.0, "stretch every inner step by this factor, sleeping (F - 1) x its compute time after "
+                         "it, so a peer behaves like a slower machine (heterogeneity tests and benchmarks)", "x",
+                         lambda x: x >= 1, "must be >= 1")
 
 
 @dataclass
@@ -295,31 +401,42 @@ def _set(cfg: Config, dotted: str, value, from_text: bool) -> None:
 
 # ---------------------------------------------------------------------------------------------- public API
 
-def load_config(path: Optional[str | Path] = None, overrides: Optional[dict[str, str]] = None,
-                defaults: Optional[dict[str, Any]] = None) -> Config:
-    """Field defaults, then typed ``defaults`` (a subcommand's own), then the TOML file at ``path``, then
-    ``overrides`` (strings from the command line): each layer wins over the ones before it."""
+def load_config(path: Optional[str | Path | list] = None, overrides: Optional[dict[str, str]] = None,
+                defaults: Optional[dict[str, Any]] = None, given: Optional[set[str]] = None) -> Config:
+    """Field defaults, then typed ``defaults`` (a subcommand's own), then the TOML file(s) at ``path`` (a later file
+    wins over an earlier one), then ``overrides`` (strings from the command line): each layer wins over the ones
+    before it. ``given``, if passed, receives the dotted keys that the files and overrides set."""
     cfg = Config()
     for dotted, value in (defaults or {}).items():
         _set(cfg, dotted, value, from_text=False)
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: invalid TOML: {e}") from None
-        for section_name, section in data.items():
-            if not isinstance(section, dict):
-                raise ConfigError(f"unknown config key '{section_name}' (put keys under a [section])"
-                                  if section_name not in SECTIONS else f"{section_name}: expected a table")
-            for key, value in section.items():
-                _set(cfg, f"{section_name}.{key}", value, from_text=False)
+    paths = [] if path is None else list(path) if isinstance(path, (list, tuple)) else [path]
+    for one in paths:
+        for dotted, value in _read_toml(Path(one)):
+            _set(cfg, dotted, value, from_text=False)
+            if given is not None:
+                given.add(dotted)
     for dotted, value in (overrides or {}).items():
         _set(cfg, dotted, value, from_text=True)
+        if given is not None:
+            given.add(dotted)
     _check_consistency(cfg)
     return cfg
+
+
+def _read_toml(path: Path) -> list[tuple[str, Any]]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    items = []
+    for section_name, section in data.items():
+        if not isinstance(section, dict):
+            raise ConfigError(f"unknown config key '{section_name}' (put keys under a [section])"
+                              if section_name not in SECTIONS else f"{section_name}: expected a table")
+        items += [(f"{section_name}.{key}", value) for key, value in section.items()]
+    return items
 
 
 def _check_consistency(cfg: Config) -> None:
@@ -327,6 +444,14 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError("averaging.min_group_size: must not exceed averaging.target_group_size")
     if cfg.averaging.request_timeout >= cfg.averaging.matchmaking_time:
         raise ConfigError("averaging.request_timeout: must be below averaging.matchmaking_time")
+    d = cfg.diloco
+    if d.min_inner_steps > d.inner_steps:
+        raise ConfigError("diloco.min_inner_steps: must not exceed diloco.inner_steps")
+    if d.outer_optimizer == "delayed_nesterov" and d.dn_delay is None:
+        raise ConfigError("diloco.dn_delay: required with diloco.outer_optimizer=delayed_nesterov (the number of "
+                          "peers you expect in a round)")
+    if d.dn_delay is not None and d.dn_c > 1 / d.dn_delay:
+        raise ConfigError(f"diloco.dn_c: must be in [0, 1/dn_delay] = [0, {1 / d.dn_delay:g}], got {d.dn_c!r}")
 
 
 def parse_overrides(args: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -351,7 +476,8 @@ def parse_overrides(args: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def describe(sections: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None) -> str:
-    """Every key with its type, default (a subcommand's own ``defaults`` included), unit and help, for ``--help``."""
+    """Every key with its type, default (a subcommand's own ``defaults`` included), unit, whether it is a run setting
+    (shared by every peer of a run; the others are machine settings) and help, for ``--help``."""
     lines = []
     defaults = load_config(defaults=defaults)
     for section_name, section_type in SECTIONS.items():
@@ -363,7 +489,8 @@ def describe(sections: Optional[list[str]] = None, defaults: Optional[dict[str, 
             default = getattr(getattr(defaults, section_name), f.name)
             unit = f" [{f.metadata['unit']}]" if f.metadata.get("unit") else ""
             choices = f" (one of: {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
-            lines.append(f"  --{section_name}.{f.name}={_show(default)}  ({_type_name(hints[f.name])}){unit}")
+            scope = "  run setting" if f.metadata.get("shared") else ""
+            lines.append(f"  --{section_name}.{f.name}={_show(default)}  ({_type_name(hints[f.name])}){unit}{scope}")
             lines.append(f"      {f.metadata['help']}{choices}")
     return "\n".join(lines)
 
@@ -376,6 +503,43 @@ def _show(value) -> str:
     if isinstance(value, list):
         return ",".join(value)
     return str(value)
+
+
+# ---------------------------------------------------------------------------------------------- run vs machine
+
+def shared_keys() -> list[str]:
+    """Dotted keys of every run setting (``shared`` fields), in section and field order."""
+    return [f"{name}.{f.name}" for name, tp in SECTIONS.items() for f in dataclasses.fields(tp)
+            if f.metadata.get("shared")]
+
+
+def shared_settings(cfg: Config) -> dict[str, Any]:
+    """The run settings of ``cfg``: what every peer of the run must hold equal (JSON-able values)."""
+    return {key: _get(cfg, key) for key in shared_keys()}
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    section, _, key = dotted.partition(".")
+    value = getattr(getattr(cfg, section), key)
+    return list(value) if isinstance(value, list) else value
+
+
+def set_value(cfg: Config, dotted: str, value: Any) -> None:
+    """Set one key of ``cfg`` from a typed value (as from TOML), validated as on load."""
+    _set(cfg, dotted, value, from_text=False)
+
+
+def copy_config(cfg: Config) -> Config:
+    return dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name)) for name in SECTIONS})
+
+
+def check_config(cfg: Config) -> None:
+    """The checks across keys that :func:`load_config` makes (after changing a loaded config)."""
+    _check_consistency(cfg)
+
+
+def show_value(value: Any) -> str:
+    return _show(value)
 
 
 def dump_toml(cfg: Config) -> str:
@@ -399,3 +563,9 @@ def _toml_value(value) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return json.dumps(value)  # a JSON string is a valid TOML basic string
+
+
+def config_from_dict(data: dict) -> Config:
+    """The inverse of :meth:`Config.to_dict` (e.g. the config saved in a checkpoint), validated like a file."""
+    flat = {f"{section}.{key}": value for section, values in data.items() for key, value in values.items()}
+    return load_config(defaults=flat)

@@ -1,9 +1,17 @@
 """A DiLoCo peer: start → run → close. ``Peer.run`` owns the round loop.
 
-One round: check that our θ_global is the run's (else fetch it from a peer that has it); H inner AdamW steps on
-θ_local; δ = θ_global − θ_local into the averager's buffers; canonical all-reduce; if the round is good, the outer
-step on θ_global and θ_local ← θ_global (commit); otherwise θ_global is left untouched and training continues from
-θ_local, so the next round's pseudo-gradient carries this round's work too (roll back).
+One round: check that our θ_global is the run's (else fetch it from a peer that has it, rebasing our local work
+onto it); H_i inner AdamW steps on θ_local (DyLU: H_i from our measured speed against the fastest live peer's, so
+that rounds end together); if the run moved on while we trained, catch up again (rebase) so our work still counts;
+δ = θ_global − θ_local into the averager's buffers; canonical all-reduce; if the round is good, the outer step on
+θ_global and θ_local ← θ_global (commit); otherwise θ_global is left untouched and training continues from θ_local,
+so the next round's pseudo-gradient carries this round's work too (roll back).
+
+Rebasing (``diloco.max_staleness``): when the peer replaces its θ_global by the run's (it missed rounds, was frozen,
+resumed from an old checkpoint, or was in the minority), its local work δ = θ_global_old − θ_local is kept:
+θ_local ← θ_global_new − δ, with its tokens still counted for the next contribution, unless the work began more than
+``max_staleness`` rounds before the run's round, or the fetched state's history shows that our contribution of that
+round is already in the run's average; then it is dropped. θ_global itself is only ever the run's.
 
 The roster, sync and state transfers live in :mod:`p2p_diloco.net.membership`; θ_global, the outer state and the
 round in :class:`~p2p_diloco.train.global_state.GlobalState`.
@@ -24,14 +32,17 @@ from typing import Optional
 import torch
 
 from p2p_diloco.config import Config, ConfigError
+from p2p_diloco.net.reachability import explain_no_group
 from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
-from p2p_diloco.ops.faults import parse_fault
-from p2p_diloco.ops.metrics import JsonlSink, MetricsSink
-from p2p_diloco.train.data import build_data
+from p2p_diloco.ops.faults import HOLD_FILE, parse_fault
+from p2p_diloco.ops.metrics import MetricsSink, build_sink
+from p2p_diloco.train.dylu import PROBE_STEPS, PaceMeter, RoundPlan, plan_round, schedule_position
 from p2p_diloco.train.global_state import GlobalState
-from p2p_diloco.train.inner import InnerTrainer, evaluate, resolve_device, schedule_total_steps
-from p2p_diloco.train.model import build_model, count_parameters, model_fingerprint
-from p2p_diloco.train.outer import build_outer_optimizer, load_into, pseudo_gradient
+from p2p_diloco.train.inner import RoundSteps, evaluate, progress_bar
+from p2p_diloco.train.model import count_parameters, model_fingerprint
+from p2p_diloco.train.outer import build_outer_optimizer, rebase
+from p2p_diloco.train.replica import Replica, build_training, join_ranks, share_setup
+from p2p_diloco.train.transfer import host_copy
 
 logger = logging.getLogger("p2p_diloco")
 
@@ -39,42 +50,56 @@ logger = logging.getLogger("p2p_diloco")
 class Peer:
     """One replica of the run. ``averager`` may be injected (tests); otherwise ``start`` joins the swarm."""
 
-    def __init__(self, cfg: Config, *, averager=None, stop_event: Optional[threading.Event] = None):
+    def __init__(self, cfg: Config, *, averager=None, stop_event: Optional[threading.Event] = None,
+                 given: Optional[set[str]] = None):
         self.cfg = cfg
+        self.given = given  # the config keys this peer set itself; the run's settings complete the others
         self.name = cfg.run.name or f"{socket.gethostname()}-{os.getpid()}"
         self.run_dir = Path(cfg.run.run_dir)
         self.stop_event = stop_event or threading.Event()
         self.averager = averager
-        self.fault = parse_fault(cfg.fault.inject)
+        self.fault = parse_fault(cfg.fault.inject, hold_path=str(self.run_dir / HOLD_FILE))
         self.dht = None
         self.membership = None  # net.membership.Membership once in a swarm; None with an injected averager
+        self.relay_issue: Optional[str] = None  # why our relay cannot serve us (client mode only), for explanations
         self.tokens_since_commit = 0  # weight of the next contribution
+        self.work_round = 0  # the round of θ_global our uncommitted local work began from (its staleness)
         self.tokens_trained = 0  # tokens of all inner steps this peer has run in this run
+        self.pace = PaceMeter()  # our inner-step speed (DyLU)
+        self._group_clock = None  # (when our last committed all-reduce ended, its members' speeds): DyLU's next round
+        self._struck = None  # the round an inner-phase fault struck in
         self.metrics: MetricsSink = MetricsSink()
+        self._sampler = None  # ops.generate.Generator over self.model, made at the first text sample
         self.log = logger
-        self._closed = False
+        self._closed = self._ready = False
 
     # ------------------------------------------------------------------------------------------------ start
     def start(self) -> "Peer":
         cfg = self.cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self.device = resolve_device(cfg.run.device)
-        self.data = build_data(cfg.data, cfg.model.seq_len, cfg.inner.batch_size, self.name)
-        self.model = build_model(cfg.model, self.data.vocab_size, cfg.run.seed).to(self.device)
-        params = [p.detach().to("cpu", torch.float32).clone() for p in self.model.parameters()]
-        outer = build_outer_optimizer(cfg.diloco.outer_optimizer, params, cfg.diloco.outer_lr,
-                                      cfg.diloco.outer_momentum)
-        self.state = GlobalState(params, outer)
-        total = schedule_total_steps(cfg.inner, cfg.run.rounds, cfg.diloco.inner_steps)
-        self.inner = InnerTrainer(self.model, cfg.inner, self.device, total)
-        self.fingerprint = self._fingerprint()
-        resumed = self._resume()
-        self.metrics = JsonlSink(self.run_dir / "metrics.jsonl")
+        self.ranks = join_ranks(cfg.run)  # None unless torchrun started this peer as one process per GPU
         if self.averager is None:
-            self._join_swarm()
-        self.log.info(f"model {count_parameters(self.model) / 1e6:.2f}M params, fingerprint {self.fingerprint}, "
-                      f"device {self.device}, {'resumed at' if resumed else 'starting at'} round {self.round}")
+            self._open_dht()  # before the model: the run's published settings may complete ours
+            cfg = self.cfg
+        share_setup(self.name, cfg, self.ranks)  # ranks > 0 take rank 0's name and (completed) config
+        training = build_training(cfg, self.name, self.ranks)
+        self.device, self.data, self.model, self.inner = training.device, training.data, training.model, training.inner
+        self.replica = Replica(training, self.ranks, cfg)  # θ_local and the inner steps, on every rank
+        params = host_copy(self.model.parameters(), pin=self.device.type == "cuda")  # θ_global: fp32, host
+        outer = build_outer_optimizer(cfg.diloco.outer_optimizer, params, cfg.diloco.outer_lr,
+                                      cfg.diloco.outer_momentum, cfg.diloco.dn_delay, cfg.diloco.dn_c)
+        self.state = GlobalState(params, outer)
+        self.fingerprint = self._fingerprint()
+        self.metrics = build_sink(cfg, self.run_dir, self.name)
+        if self.averager is None:
+            self._join_swarm()  # stays out of the run until run.join_after_round
+        resumed = self._resume()  # after that wait: a peer restarted in place takes its newest checkpoint
+        self._ready = True  # our state is this run_dir's: close() may save it
+        origin = f" from {cfg.model.init_from}" if cfg.model.init_from else ""
+        self.log.info(f"model {count_parameters(self.model) / 1e6:.2f}M params{origin}, fingerprint "
+                      f"{self.fingerprint}, device {self.device} x {self.replica.world} process(es), "
+                      f"{'resumed at' if resumed else 'starting at'} round {self.round}")
         if not resumed:
             eval_loss = self._evaluate()
             self.metrics.log({"event": "start", "run_id": self.cfg.run.run_id, "peer": self.name,
@@ -82,7 +107,10 @@ class Peer:
                               "global_params_sha256": self.state.params_digest, "fingerprint": self.fingerprint})
             self.log.info(f"initial eval loss {eval_loss:.4f}")
         if self.membership is not None:
+            self.membership.enter()
             self.membership.wait_for_expected_peers()
+            if cfg.model.init_from is not None and not resumed:
+                self.membership.check_initial_state(cfg.model.init_from)
         return self
 
     def _fingerprint(self) -> str:
@@ -90,25 +118,43 @@ class Peer:
         d = self.cfg.diloco
         key = (f"{model_fingerprint(self.model)}|{self.cfg.averaging.codec}|{d.outer_optimizer}|{d.outer_lr}|"
                f"{d.outer_momentum}|{d.weight_by_tokens}")
+        if d.outer_optimizer == "delayed_nesterov":
+            key += f"|{d.dn_delay}|{d.dn_c}"
         return hashlib.sha256(key.encode()).hexdigest()[:12]
 
+    def _open_dht(self) -> None:
+        """Join the DHT, find out how we can take part (net/nat.py) and settle our config against the run's
+        published settings (net/run_settings.py)."""
+        from p2p_diloco.net import nat  # hivemind users are imported lazily, for mocked tests
+        from p2p_diloco.net.run_settings import settle
+
+        self._probe = nat.probe(self.cfg.network, self.log)
+        self.dht = self._probe.dht
+        self.cfg = settle(self.cfg, self.dht, self.given, self.log)
+
     def _join_swarm(self) -> None:
-        from p2p_diloco.net.averaging import Averager  # the only hivemind users; imported lazily for mocked tests
-        from p2p_diloco.net.dht import run_prefix, start_dht, visible_maddrs
+        from p2p_diloco.net import nat
+        from p2p_diloco.net.averaging import Averager
+        from p2p_diloco.net.dht import run_prefix, visible_maddrs
         from p2p_diloco.net.membership import Membership
 
-        self.dht = start_dht(self.cfg.network)
+        self.dht, choice, self.relay_issue = nat.decide(self.cfg.network, self._probe, self._payload_bytes())
+        self.log.info(f"reachability: {choice.reason}; taking part as {choice.mode}")
         prefix = run_prefix(self.cfg.run.run_id, self.fingerprint)
         self.averager = Averager(self.dht, self.cfg.averaging, prefix, [p.shape for p in self.state.params],
-                                 client_mode=self.cfg.network.client_mode, fault=self.fault)
+                                 client_mode=choice.mode == "client", fault=self.fault)
         self.membership = Membership(self.cfg, self.dht, self.averager, prefix, self.name, self.state,
-                                     self.fingerprint, self.metrics, self.stop_event, self.log)
+                                     self.fingerprint, self.metrics, self.stop_event, self.log,
+                                     reachability=choice.mode)
         maddrs = visible_maddrs(self.dht)
         (self.run_dir / "maddrs.txt").write_text("\n".join(maddrs) + "\n")
         self.log.info(f"joined run {self.cfg.run.run_id!r} as {self.averager.peer_id} (group key prefix "
                       f"{prefix}); others can join through: {' '.join(maddrs)}")
         self.membership.wait_for_round(self.cfg.run.join_after_round)
-        self.membership.enter()
+
+    def _payload_bytes(self) -> int:
+        """Bytes of one pseudo-gradient on the wire."""
+        return sum(p.numel() for p in self.state.params) * (4 if self.cfg.averaging.codec == "fp32" else 2)
 
     @property
     def peer_id(self) -> str:
@@ -127,67 +173,163 @@ class Peer:
             roster = self.membership.roster() if self.membership else []  # one DHT read serves both checks
             if self._finished(roster):
                 break
-            self._sync([s for s in roster if not s.leaving])
+            live = [s for s in roster if not s.leaving]
+            self._catch_up(live)
             started = time.perf_counter()
-            train_loss, tokens = self._inner_steps(self.cfg.diloco.inner_steps)
+            train_loss, tokens, steps = self._inner_steps(live, begun)
             if self.stop_event.is_set():
                 break
             inner_done = time.perf_counter()
-            result = self._average()
-            self.averager.observe_round(time.perf_counter() - started)
+            live = self._live_roster()  # one read: did the run move on while we trained, and the group to expect
+            self._catch_up(live)  # if so, rebase onto it now: our work still enters this round
+            caught_up = time.perf_counter()
+            result = self._average(live)
+            averaged_at = time.perf_counter()
+            self.averager.observe_round(averaged_at - started)
             committed = result.ok and self._commit(result)
-            # wall time of this round by part: sync (roster read, state repair), inner steps, and the rest
+            self._group_clock = (averaged_at, result.speeds) if committed and result.speeds else None
+            # wall time of this round by part: sync (roster reads, state repairs), inner steps, and the rest
             # (pseudo-gradient, matchmaking, all-reduce, outer step); evaluation is not counted
-            timing = {"time/sync_s": started - begun, "time/inner_s": inner_done - started,
+            timing = {"time/sync_s": started - begun + caught_up - inner_done, "time/inner_s": inner_done - started,
                       "time/round_s": time.perf_counter() - begun}
-            self._log_round(result, committed, train_loss, tokens, timing)
-            self._report(result, tokens, timing["time/inner_s"])
-            if committed and self.cfg.run.checkpoint_every and self.round % self.cfg.run.checkpoint_every == 0:
-                self.save()
+            self._log_round(result, committed, train_loss, tokens, steps, timing)
+            self._report(result, tokens)
+            if committed:
+                self._after_commit()
+
+    def _after_commit(self) -> None:
+        """What is due on the new θ_global: a checkpoint, an export, a text sample (each every K rounds)."""
+        run = self.cfg.run
+        for every, action in ((run.checkpoint_every, self.save), (run.export_every, self.export),
+                              (run.sample_every, self.sample)):
+            if every and self.round % every == 0:
+                action()
 
     def _finished(self, roster) -> bool:
         if self.cfg.run.rounds is not None and self.round >= self.cfg.run.rounds:
             return True
         return self.membership is not None and self.membership.run_is_over(roster)
 
-    def _sync(self, live_roster) -> None:
-        """Fetch the run's state if we are behind it or in the minority; our local progress is then dropped."""
-        fresh = self.round == 0 and self.inner.step_count == 0
-        if self.membership is not None and self.membership.sync(live_roster, fresh):
-            load_into(self.model.parameters(), self.state.params)
-            self.tokens_since_commit = 0
+    def _live_roster(self) -> list:
+        return self.membership.live_roster() if self.membership else []
 
-    def _inner_steps(self, steps: int) -> tuple[float, int]:
-        """H inner steps on θ_local; returns (mean loss, tokens). Stops early, between steps, if asked to."""
-        losses, tokens = [], 0
-        bar = _progress(steps, f"{self.name} r{self.round + 1}", self.cfg.run.progress)
-        for step in range(steps):
-            if self.stop_event.is_set():
-                break
-            if self.fault is not None and step == steps // 2 and self.fault.due("inner", self.round + 1):
-                self.fault.strike()
-            out = self.inner.step(self.data.train.next_batch)
-            losses.append(out.loss)
-            tokens += out.tokens
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{out.loss:.3f}", refresh=False)
-        if bar is not None:
-            bar.close()
-        self.tokens_since_commit += tokens
-        return (sum(losses) / len(losses) if losses else float("nan")), tokens
+    # ------------------------------------------------------------------------------------------------ catching up
+    def _catch_up(self, live_roster) -> None:
+        """Fetch the run's state if we are behind it or in the minority; rebase our local work onto it, or drop it
+        if it is too old (``diloco.max_staleness``) or already in the run's average."""
+        target = self.membership.behind(live_roster) if self.membership is not None else None
+        if target is None:
+            return
+        base, work_round, tokens = self.round, self.work_round, self.tokens_since_commit
+        max_staleness = self.cfg.diloco.max_staleness
+        keep = tokens > 0 and max_staleness > 0 and target.round - work_round <= max_staleness
+        if keep:  # δ = θ_global_old − θ_local, into the (idle) averaging buffers, before θ_global_old is replaced
+            with self.averager.pseudo_grads() as buffers:
+                self.replica.pseudo_gradient(self.state.params, buffers)
+        if not self.membership.fetch(target, fresh=base == 0 and self.inner.step_count == 0):
+            return  # nothing changed: θ_local still holds our work
+        already_in = self.state.included(self.name, base + 1)  # our last attempt was averaged after all
+        if keep and not already_in:
+            with self.averager.pseudo_grads() as buffers:
+                rebase(self.replica.params, self.state.params, buffers)
+            self.replica.broadcast_local()  # θ_local changed on rank 0 only
+            self._log_work("rebase", base, work_round, tokens)
+            return
+        self.replica.load(self.state.params)
+        self.tokens_since_commit, self.work_round = 0, self.round
+        if tokens:
+            self._log_work("drop_work", base, work_round, tokens, "already averaged" if already_in else "too old")
 
-    def _average(self):
+    def _log_work(self, event: str, base: int, work_round: int, tokens: int, why: str = "") -> None:
+        self.metrics.log({"event": event, "peer": self.name, "round": self.round, "from_round": base,
+                          "work_round": work_round, "staleness": self.round - work_round, "tokens": tokens,
+                          "reason": why or None})
+        verb = "rebased onto" if event == "rebase" else f"dropped ({why}) at"
+        self.log.info(f"{event}: our local work since round {work_round} ({tokens} tokens) {verb} round "
+                      f"{self.round}'s θ_global (staleness {self.round - work_round})")
+
+    # ------------------------------------------------------------------------------------------------ inner steps
+    def _inner_steps(self, live_roster, round_start: float) -> tuple[float, int, int]:
+        """This round's inner steps on θ_local; returns (mean loss, tokens, steps). DyLU: about as many as our
+        measured speed allows next to the fastest live peer's, within the round's time budget (train/dylu.py); with no
+        measurement yet, a few timed steps come first. Stops early, between steps, if asked to."""
+        H = self.cfg.diloco.inner_steps
+        work = RoundSteps(progress_bar(H, f"{self.name} r{self.round + 1}", self.cfg.run.progress))
+        if self._dylu and not self.pace.measured:  # a new peer: its own short measurement, counted as training
+            self._train(RoundPlan(min(PROBE_STEPS, H)), H, work)
+            self._report_pace(work.probe_rate())
+            live_roster = self._live_roster()  # the others' speeds, as of now
+        own, others, round_start = self._pace_plan(live_roster, round_start)
+        plan = plan_round(own, others, H, self.cfg.diloco.min_inner_steps, self._dylu, round_start)
+        work.plan(plan.steps)
+        self._train(plan, plan.steps, work)
+        self._inner_fault(work.steps, 0)  # a round that ended before its halfway step still gets its fault
+        work.close()
+        self.tokens_since_commit += work.tokens
+        self.pace.add(work.steps, work.tokens, work.seconds)
+        return work.mean_loss, work.tokens, work.steps
+
+    def _pace_plan(self, live_roster, round_start: float) -> tuple[float, list[float], float]:
+        """(our speed, the others', the round's start) to plan from: after a committed round, what every member of
+        its group knows alike (the speeds announced in it, the moment it ended), so all end the round together; else
+        our measurement, the live roster's and our own round start."""
+        if self._group_clock is not None:
+            averaged_at, speeds = self._group_clock
+            return self._announced_speed or self.pace.steps_per_s, speeds, averaged_at
+        return self.pace.steps_per_s, [s.steps_per_s for s in live_roster if s.peer_id != self.peer_id], round_start
+
+    @property
+    def _dylu(self) -> bool:
+        return self.cfg.diloco.dylu and self.membership is not None
+
+    def _train(self, plan: RoundPlan, planned: int, work: RoundSteps) -> None:
+        """Inner steps while ``plan`` asks for more (a round of about ``planned``), each slowed down by
+        ``fault.slowdown`` (sleeping after it)."""
+        slowdown = self.cfg.fault.slowdown
+        while not self.stop_event.is_set() and plan.more(work.steps, time.perf_counter(), work.last_step_s):
+            self._inner_fault(work.steps, planned // 2)
+            t0 = time.perf_counter()
+            out = self.replica.step(self.data.train.next_batch, self._schedule_step(work.steps, planned))
+            if slowdown > 1:
+                self.stop_event.wait((slowdown - 1) * (time.perf_counter() - t0))
+            work.add(out.loss, out.tokens, time.perf_counter() - t0)
+
+    def _inner_fault(self, done: int, at: int) -> None:
+        """Fault injection (tests): strike once per round, halfway through its planned inner steps."""
+        if self.fault is None or done < at or self._struck == self.round + 1:
+            return
+        if self.fault.due("inner", self.round + 1):
+            self._struck = self.round + 1
+            self.fault.strike()
+
+    def _schedule_step(self, step_in_round: int, planned: int) -> Optional[float]:
+        if self.cfg.inner.lr_clock == "steps":
+            return None  # InnerTrainer counts our own steps
+        return schedule_position(self.round, min(step_in_round, planned), planned, self.cfg.diloco.inner_steps)
+
+    def _report_pace(self, probe_rate: Optional[tuple[int, int, float]]) -> None:
+        if probe_rate is not None:
+            self.pace.add(*probe_rate)
+            self.membership.work.update(steps_per_s=self.pace.steps_per_s, tokens_per_s=self.pace.tokens_per_s)
+            self.membership.publish()  # others plan with it from now on
+
+    # ------------------------------------------------------------------------------------------------ averaging
+    def _average(self, live: list):
         from p2p_diloco.net.averaging import Contribution
 
         if self.membership is not None:
-            self.averager.set_group_size(len(self.membership.live_roster()))
+            self.averager.set_group_size(len(live))
         with self.averager.pseudo_grads() as buffers:
-            pseudo_gradient(self.state.params, self.model.parameters(), buffers)
+            self.replica.pseudo_gradient(self.state.params, buffers)
         weight = self.tokens_since_commit if self.cfg.diloco.weight_by_tokens else 1.0
+        self._announced_speed = self.pace.steps_per_s
         contribution = Contribution(name=self.name, round=self.round, digest=self.state.digest,
-                                    tokens=self.tokens_since_commit)
-        return self.averager.average(contribution, weight)
+                                    tokens=self.tokens_since_commit, steps_per_s=self._announced_speed)
+        result = self.averager.average(contribution, weight)
+        if not result.ok and self.membership is not None:  # name the cause and the fix when it is reachability
+            result.error = explain_no_group(self.membership.reachability, [s.reachability for s in live],
+                                            self.relay_issue) or result.error
+        return result
 
     def _commit(self, result) -> bool:
         """Apply the outer step with the averaged Δ, unless Δ is not finite (then every peer rejects it alike)."""
@@ -195,40 +337,44 @@ class Peer:
             if not all(torch.isfinite(d).all() for d in averaged):
                 result.error = "the averaged pseudo-gradient is not finite: round rejected"
                 return False
-            self.state.apply(averaged, num_contributions=result.group_size)
-        load_into(self.model.parameters(), self.state.params)
-        self.tokens_since_commit = 0
+            self.state.apply(averaged, num_contributions=result.group_size, members=result.peers)
+        self.replica.load(self.state.params)
+        self.tokens_since_commit, self.work_round = 0, self.round
         if self.membership is not None:
             self.membership.state_changed()
         return True
 
-    def _log_round(self, result, committed: bool, train_loss: float, tokens: int, timing: dict) -> None:
+    def _log_round(self, result, committed: bool, train_loss: float, tokens: int, steps: int, timing: dict) -> None:
         deadlines = getattr(self.averager, "deadlines", None)  # a mocked averager has none
         deadline = deadlines.allreduce_timeout if deadlines is not None else None
         record = {"event": "round", "peer": self.name, "round": self.round, "committed": committed,
                   "outer/group_size": result.group_size, "outer/peers": result.peers, "train/loss": train_loss,
-                  "train/tokens": tokens, "outer/allreduce_s": result.seconds,
+                  "train/tokens": tokens, "train/inner_steps": steps, "outer/allreduce_s": result.seconds,
                   "outer/allreduce_only_s": result.allreduce_seconds, "outer/allreduce_timeout_s": deadline,
                   "outer/bytes_sent": result.bytes_sent, "outer/bytes_received": result.bytes_received,
                   "global_params_sha256": self.state.params_digest, "state_sha256": self.state.digest,
-                  "error": result.error, **timing}
+                  "error": result.error, **timing, **self.replica.round_stats(tokens, timing["time/inner_s"])}
         eval_every = self.cfg.run.eval_every
         if committed and eval_every and self.round % eval_every == 0:
+            begun = time.perf_counter()
             record["eval/loss"] = self._evaluate()
+            record["time/eval_s"] = time.perf_counter() - begun
         self.metrics.log(record)
         if committed:
             ev = f", eval {record['eval/loss']:.4f}" if "eval/loss" in record else ""
             self.log.info(f"round {self.round}: group {result.group_size}, train loss {train_loss:.4f}{ev}, "
-                          f"all-reduce {result.seconds:.2f} s, sent {result.bytes_sent / 1e6:.2f} MB")
+                          f"all-reduce {result.seconds:.2f} s, sent {result.bytes_sent / 1e6:.2f} MB, "
+                          f"{_throughput(record)}")
         else:
             self.log.warning(f"round {self.round + 1} not committed ({result.error}); θ_global kept, "
                              f"training continues from θ_local")
 
-    def _report(self, result, tokens: int, inner_s: float) -> None:
-        """What the roster shows about our work (published with the next heartbeat or state change)."""
+    def _report(self, result, tokens: int) -> None:
+        """What the roster shows about our work (published with the next heartbeat or state change): our speed
+        over recent rounds (averaging excluded), tokens trained, the last all-reduce."""
         self.tokens_trained += tokens
         if self.membership is not None:
-            self.membership.work.update(tokens_per_s=tokens / inner_s if inner_s > 0 else 0.0,
+            self.membership.work.update(steps_per_s=self.pace.steps_per_s, tokens_per_s=self.pace.tokens_per_s,
                                         tokens_trained=self.tokens_trained, last_allreduce_s=result.seconds,
                                         last_bytes=result.bytes_sent + result.bytes_received)
 
@@ -240,12 +386,38 @@ class Peer:
     def checkpoint_state(self) -> dict:
         return {**self.state.state_dict(), "name": self.name, "fingerprint": self.fingerprint,
                 "model": self.model.state_dict(), "inner": self.inner.state_dict(),
-                "data": self.data.train.state_dict(), "tokens_since_commit": self.tokens_since_commit,
+                "data": self.data.train.state_dict(), "data_ranks": self.replica.data_states(),
+                "tokens_since_commit": self.tokens_since_commit, "work_round": self.work_round,
                 "tokens_trained": self.tokens_trained, "config": asdict(self.cfg)}
 
     def save(self) -> None:
         with self.state.lock:
             save_checkpoint(self.run_dir, self.checkpoint_state())
+
+    def export(self) -> None:
+        """θ_global as a Hugging Face folder, ``run_dir/exports/round-NNNNNN`` (θ_local equals θ_global here)."""
+        from p2p_diloco.ops.export import export_path, save_hf_folder
+
+        path = export_path(self.run_dir, self.round)
+        save_hf_folder(self.model, self.cfg, path, info={"round": self.round, "peer": self.name})
+        self.metrics.log({"event": "export", "peer": self.name, "round": self.round, "path": str(path)})
+        self.log.info(f"round {self.round}: θ_global exported to {path}")
+
+    def sample(self) -> None:
+        """A short continuation of ``run.sample_prompt`` by θ_global, as a metrics record (never fails the run)."""
+        from p2p_diloco.ops.generate import SAMPLE_TOKENS, Generator, sample
+
+        prompt = self.cfg.run.sample_prompt
+        try:
+            if self._sampler is None:
+                from p2p_diloco.ops.export import hf_tokenizer
+
+                self._sampler = Generator(self.model, hf_tokenizer(self.cfg, self.cfg.model.seq_len), self.name)
+            text = sample(self._sampler, prompt, samples=1, max_new_tokens=SAMPLE_TOKENS, seed=0)[0]
+        except Exception as e:  # noqa: BLE001 - a sample is for people watching: it must not stop training
+            self.log.warning(f"round {self.round}: text sample failed: {e!r}")
+            return
+        self.metrics.log({"event": "sample", "peer": self.name, "round": self.round, "prompt": prompt, "text": text})
 
     def _resume(self) -> bool:
         saved = load_checkpoint(self.run_dir)
@@ -259,6 +431,7 @@ class Peer:
         self.inner.load_state_dict(saved["inner"])
         self.data.train.load_state_dict(saved["data"])
         self.tokens_since_commit = saved["tokens_since_commit"]
+        self.work_round = saved.get("work_round", self.round)  # θ_local's work is relative to the saved θ_global
         self.tokens_trained = saved.get("tokens_trained", 0)  # absent from checkpoints of earlier versions
         return True
 
@@ -272,9 +445,12 @@ class Peer:
         try:
             if self.membership is not None:
                 self.membership.leave()  # others stop counting us and stop waiting for us
-            if hasattr(self, "inner") and self.cfg.run.checkpoint_every:
+            if self._ready and self.cfg.run.checkpoint_every:
                 self.save()
         finally:
+            if hasattr(self, "replica"):
+                self.replica.close()  # ranks > 0 of a multi-GPU peer stop
+                self.data.train.close()
             if self.averager is not None and hasattr(self.averager, "close"):
                 self.averager.close()
             if self.dht is not None:
@@ -282,9 +458,11 @@ class Peer:
             self.metrics.close()
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+def _throughput(record: dict) -> str:
+    """'12,345 tokens/s, MFU 41.2 %, peak 17.3 GiB' from a round record (the parts the device can tell)."""
+    text = f"{record['train/tokens_per_s']:,.0f} tokens/s"
+    if record.get("train/mfu") is not None:
+        text += f", MFU {100 * record['train/mfu']:.1f} %"
+    if record.get("device/peak_memory_gb") is not None:
+        text += f", peak {record['device/peak_memory_gb']:.1f} GiB"
+    return text

@@ -2,7 +2,7 @@
 # Start one p2p-diloco peer from a config file in this folder.
 #
 #   INITIAL_PEERS=/ip4/198.51.100.1/tcp/31337/p2p/Qm... peers/launch-peer.sh
-#   CONFIG=peers/home-gpu.toml INITIAL_PEERS=/ip4/.../p2p/Qm...,/ip4/.../p2p/Qm... peers/launch-peer.sh --run.name=alice
+#   CONFIG=peers/machine-24gb.toml INITIAL_PEERS=/ip4/.../p2p/Qm...,/ip4/.../p2p/Qm... peers/launch-peer.sh --run.run_id c4-400m --run.name=alice
 #
 # Extra arguments go to `p2p-diloco peer` unchanged (e.g. --section.key=value overrides).
 set -euo pipefail

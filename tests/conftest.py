@@ -3,6 +3,7 @@ no process carrying its tag (peers, their DHT and averager processes, p2pd daemo
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import signal
@@ -41,8 +42,33 @@ def process_tag(monkeypatch):
     Leftovers fail the test, and are then ended (by PID) so one failure does not poison later tests."""
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG_VAR, tag)
+    with none_left(tag):
+        yield tag
+
+
+@pytest.fixture(scope="module")
+def module_process_tag():
+    """:func:`process_tag` for a module's shared fixture (e.g. one swarm that several tests look at)."""
+    tag = uuid.uuid4().hex
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(TAG_VAR, tag)
+        with none_left(tag):
+            yield tag
+
+
+@contextlib.contextmanager
+def none_left(tag: str):
+    """On exit, wait briefly for processes tagged ``tag`` to end, end the leftovers by PID, remove the p2pd
+    sockets they left, and fail if there were any (cleaning up also when the block raised)."""
     socks_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "hivemind-*.sock")))
-    yield tag
+    try:
+        yield
+    finally:
+        described = _end_leftovers(tag, socks_before)
+    assert not described, f"processes left running: {described}"
+
+
+def _end_leftovers(tag: str, socks_before: set[str]) -> dict[int, str]:
     deadline = time.monotonic() + 5  # daemons told to stop may take a moment to exit
     while (leftovers := tagged_pids(tag)) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -60,7 +86,7 @@ def process_tag(monkeypatch):
             os.unlink(sock)
         except OSError:
             pass
-    assert not leftovers, f"processes left running: {described}"
+    return described
 
 
 def bound_unix_paths() -> set[str]:
@@ -90,3 +116,22 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
     except OSError:
         return "?"
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer(tmp_path_factory) -> str:
+    """A byte-level BPE tokenizer (GPT-2's kind) trained here on a few sentences and saved with save_pretrained to
+    a local folder: the Hugging Face tokenizer path, offline. Returns the folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [f"document {i}: the quick brown fox jumps over the lazy dog, naïve café {i * 7919 % 1000}"
+             for i in range(300)]
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path_factory.mktemp("bpe")
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>").save_pretrained(str(folder))
+    return str(folder)

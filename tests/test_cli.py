@@ -69,7 +69,13 @@ def test_toml_types_are_checked(tmp_path):
     (["peer", "--inner.lr=abc"], "inner.lr: expected float"),
     (["peer", "--config=/nonexistent/peer.toml"], "config file not found"),
     (["swarm", "--run.rounds=3"], "use --rounds"),
+    (["swarm", "--fault.slowdown=2"], "use --slowdown"),
+    (["swarm", "--peers", "2", "--slowdown", "1,2,4"], "--slowdown: expected at most 2 factors"),
+    (["peer", "--diloco.outer_optimizer=delayed_nesterov"], "diloco.dn_delay: required"),
     (["peer", "--bogus"], "unrecognized arguments: --bogus"),
+    (["doctor", "--network.reachability=maybe"], "network.reachability: expected one of auto, public, private"),
+    (["peer", "--network.trusted_relays=relay.example:31337"], "network.trusted_relays: expected multiaddrs"),
+    (["peer", "--nproc-per-node", "0"], "--nproc-per-node: must be >= 1"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
     out = _cli(*args)

@@ -4,6 +4,7 @@ Offline: local files are written to tmp_path, and the hub path is exercised by a
 streams a local file.
 """
 
+import dataclasses
 import io
 import json
 import time
@@ -16,6 +17,7 @@ from p2p_diloco.train import data as data_mod
 from p2p_diloco.config import ConfigError, DataConfig
 from p2p_diloco.train.data import (ByteTokenizer, StreamBatches, WindowBatches, build_data, embedded_corpus,
                              embedded_documents, load_tokenizer, stdlib_documents)
+from p2p_diloco.train.prefetch import Prefetcher
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -220,7 +222,7 @@ def _stream_cfg(**kw) -> DataConfig:
 def test_hub_stream_holds_out_its_first_documents_and_shuffles_per_peer(fake_hub):
     a, b = build_data(_stream_cfg(), SEQ, BATCH, "alice"), build_data(_stream_cfg(), SEQ, BATCH, "bob")
     assert fake_hub[0] == ("fake/hub", "en", "train", True)
-    assert isinstance(a.train, StreamBatches)
+    assert isinstance(a.train, Prefetcher) and isinstance(a.train.reader, StreamBatches)
     assert _equal(a.eval_batches, b.eval_batches)
     first = "".join(d + "\n" for d in _docs())[:2 * BATCH * SEQ]
     assert ByteTokenizer().decode(torch.cat(a.eval_batches).flatten()) == first
@@ -258,3 +260,87 @@ def test_window_and_stream_states_do_not_mix(fake_hub):
 
 def test_data_module_does_not_import_hivemind():
     assert "hivemind" not in open(data_mod.__file__).read()
+
+
+# ---------------------------------------------------------------------------------------------- real text offline
+
+def _write_gz_jsonl(path, docs: list[str]) -> None:
+    import gzip
+
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+
+
+def test_bpe_tokenizer_and_local_jsonl_stream_through_the_hub_reader_offline(tmp_path, monkeypatch, bpe_tokenizer):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing may be fetched: the tokenizer and the data are local
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    docs = _docs()
+    _write_gz_jsonl(folder / "part-00000.json.gz", docs[:100])  # the hub's own file kind (allenai/c4: .json.gz)
+    _write_gz_jsonl(folder / "part-00001.json.gz", docs[100:])
+    cfg = DataConfig(dataset=str(folder), tokenizer=bpe_tokenizer, stream_files=True, eval_batches=2)
+    data = build_data(cfg, SEQ, BATCH, "alice")
+    tok = load_tokenizer(bpe_tokenizer)
+    assert isinstance(data.train, Prefetcher) and isinstance(data.train.reader, StreamBatches)
+    assert data.vocab_size == tok.vocab_size and tok.doc_separator == [tok.tokenizer.eos_token_id]
+    # held out: the stream's first documents, BPE-encoded, each followed by EOS
+    assert torch.cat(data.eval_batches).flatten().tolist() == \
+        tok.encode_documents(docs)[:2 * BATCH * SEQ].tolist()
+    batches = torch.cat(_batches(data.train, 40))
+    assert batches.shape == (40 * BATCH, SEQ) and int(batches.max()) < tok.vocab_size
+    text = tok.decode(batches.flatten().tolist())
+    assert "document 150" in text and "document 0:" not in text  # training skips the held-out documents
+    state = data.train.state_dict()
+    assert state["epoch"] == 1  # resumes in the second epoch, whose shuffle of the two shards differs
+    expected = _batches(data.train, 5)
+    again = build_data(cfg, SEQ, BATCH, "alice").train
+    again.load_state_dict(state)
+    assert _equal(_batches(again, 5), expected)
+    threads = build_data(dataclasses.replace(cfg, tokenizer_threads=2), SEQ, BATCH, "alice").train
+    threads.load_state_dict(state)
+    assert _equal(_batches(threads, 5), expected)  # tokenizing on two threads keeps the order
+    for reader in (data.train, again, threads):
+        reader.close()
+
+
+def test_local_files_are_loaded_whole_unless_streamed(tmp_path, bpe_tokenizer):
+    path = tmp_path / "corpus.json.gz"
+    _write_gz_jsonl(path, _docs())
+    assert isinstance(build_data(DataConfig(dataset=str(path), tokenizer=bpe_tokenizer), SEQ, BATCH, "a").train,
+                      WindowBatches)
+
+
+class _Failing(WindowBatches):
+    def __init__(self, fail_at: int):
+        super().__init__(torch.arange(1000, dtype=torch.int32), SEQ, BATCH, seed=3)
+        self.fail_at = fail_at
+
+    def next_batch(self):
+        if self.batches == self.fail_at:
+            self.fail_at = -1  # once
+            raise ConfigError("data.dataset: the stream broke")
+        return super().next_batch()
+
+
+def test_prefetcher_keeps_the_order_resumes_and_raises_the_readers_error_in_place():
+    plain, ahead = _Failing(fail_at=-1), Prefetcher(_Failing(fail_at=-1), depth=3)
+    assert _equal(_batches(ahead, 6), _batches(plain, 6))
+    assert ahead.state_dict()["batches"] == 6 and torch.equal(ahead.state_dict()["generator"],
+                                                              plain.state_dict()["generator"])
+    ahead.load_state_dict(plain.state_dict())
+    assert _equal(_batches(ahead, 2), _batches(plain, 2))
+    ahead.close()
+    failing, reference = Prefetcher(_Failing(fail_at=4), depth=3), _Failing(fail_at=-1)
+    assert _equal(_batches(failing, 4), _batches(reference, 4))
+    with pytest.raises(ConfigError, match="the stream broke"):
+        failing.next_batch()
+    assert _equal(_batches(failing, 2), _batches(reference, 2))  # it goes on from the last good position
+    failing.close()
+
+
+def test_auto_tokenizer_is_the_checkpoints_own_else_bytes(bpe_tokenizer):
+    assert isinstance(load_tokenizer("auto"), ByteTokenizer)
+    auto = load_tokenizer("auto", init_from=bpe_tokenizer)  # a checkpoint folder holds its tokenizer's files
+    assert auto.vocab_size == load_tokenizer(bpe_tokenizer).vocab_size > 256
+    assert isinstance(load_tokenizer("byte", init_from=bpe_tokenizer), ByteTokenizer)  # an explicit choice wins

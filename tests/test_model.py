@@ -106,3 +106,37 @@ def test_fingerprint_ignores_where_the_config_file_lives(tmp_path):
         _write_config(tmp_path / folder)
     a, b = (build_model(ModelConfig(name=str(tmp_path / f)), 256, seed=0) for f in ("a", "b"))
     assert model_fingerprint(a) == model_fingerprint(b)
+
+
+# ---------------------------------------------------------------------------------------------- model.init_from
+
+def _saved(tmp_path, dtype=torch.float32, seed: int = 5):
+    """A tiny model saved with save_pretrained (no download): the pretrained checkpoint of these tests."""
+    model = build_model(ModelConfig(name="tiny"), vocab_size=300, seed=seed)
+    model.to(dtype).save_pretrained(str(tmp_path / "ckpt"))
+    return str(tmp_path / "ckpt"), model
+
+
+def test_init_from_a_local_checkpoint_gives_its_weights_in_fp32(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path, saved = _saved(tmp_path)
+    loaded = build_model(ModelConfig(name="tiny", init_from=path, seq_len=64), vocab_size=256, seed=123)
+    assert _same_weights(loaded, saved) and weights_digest(loaded) == weights_digest(saved)
+    assert loaded.config.vocab_size == 300 and loaded.config._attn_implementation == "sdpa"
+    assert model_fingerprint(loaded) == model_fingerprint(saved)
+
+
+def test_init_from_a_bf16_checkpoint_is_converted_exactly(tmp_path):
+    path, saved = _saved(tmp_path, dtype=torch.bfloat16)
+    loaded = build_model(ModelConfig(init_from=path), vocab_size=256, seed=0)
+    assert all(p.dtype == torch.float32 for p in loaded.parameters())
+    assert all(torch.equal(a, b.float()) for a, b in zip(loaded.parameters(), saved.parameters()))
+
+
+@pytest.mark.parametrize("case", ["missing", "vocab", "context"])
+def test_init_from_errors_name_the_key(tmp_path, case):
+    path, _ = _saved(tmp_path)
+    cfg = ModelConfig(init_from=str(tmp_path / "nothing") if case == "missing" else path,
+                      seq_len=4096 if case == "context" else 128)
+    with pytest.raises(ConfigError, match=r"^model\.init_from: "):
+        build_model(cfg, vocab_size=1000 if case == "vocab" else 256, seed=0)

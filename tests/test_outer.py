@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from p2p_diloco.train.outer import (OuterNesterov, OuterSGD, build_outer_optimizer, load_into, params_digest,
-                              pseudo_gradient)
+                                    pseudo_gradient, rebase)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,3 +94,104 @@ def test_load_into_and_digest():
     assert params_digest(glob) != params_digest(local)
     load_into(local, glob)
     assert params_digest(glob) == params_digest(local)
+
+
+# ---------------------------------------------------------------------------------------------- Delayed Nesterov
+
+def _dn_reference(theta, arrivals, lr, beta, n, c):
+    """Alg. 3 of Asynchronous Local-SGD, literally: one contribution at a time (float64, for a clean reference)."""
+    theta = [p.double() for p in theta]
+    m = [torch.zeros_like(p) for p in theta]
+    buf = [torch.zeros_like(p) for p in theta]
+    for t, g in enumerate(arrivals):
+        g = [x.double() for x in g]
+        for i in range(len(theta)):
+            buf[i] = buf[i] + g[i]
+            if (t + 1) % n == 0:
+                m[i] = beta * m[i] + buf[i] / n
+                theta[i] = theta[i] - lr * ((1 - c * n + c) * beta * m[i] + g[i] / n)
+                buf[i] = torch.zeros_like(buf[i])
+            else:
+                theta[i] = theta[i] - lr * (c * beta * m[i] + g[i] / n)
+    return theta, m, buf
+
+
+@pytest.mark.parametrize("n,c,ks", [(4, 0.0, [4, 4, 4]), (4, 0.1, [3, 2, 4, 1, 5]), (3, 1 / 3, [1, 1, 7, 2]),
+                                    (1, 0.0, [2, 1, 3]), (5, 0.05, [12, 3])])
+def test_delayed_nesterov_round_of_k_equals_k_arrivals_of_its_average(n, c, ks):
+    """The definition: a round whose average is Δ over k contributions is k arrivals of Δ, whatever N, c and where
+    the momentum updates fall (inside a round or at its end)."""
+    ours = _params(0)
+    opt = build_outer_optimizer("delayed_nesterov", ours, 0.7, 0.9, delay=n, c=c)
+    arrivals = []
+    for r, k in enumerate(ks):
+        delta = _params(200 + r)
+        opt.step(ours, delta, num_contributions=k)
+        arrivals += [delta] * k
+    theta, m, buf = _dn_reference(_params(0), arrivals, 0.7, 0.9, n, c)
+    for a, b in zip(ours + opt.buffers + opt.sums, theta + m + buf):
+        torch.testing.assert_close(a, b.float(), rtol=1e-5, atol=1e-6)
+    assert int(opt.arrivals) == sum(ks)
+
+
+def test_delayed_nesterov_with_equal_weights_equals_the_individual_arrivals_when_rounds_fill_n():
+    """With equal weights the round's Δ is the plain mean, so its k arrivals put exactly Σ g_i into the buffer; when
+    every round brings N contributions the momentum moves at the round's end, and the round equals its k individual
+    pseudo-gradients arriving one by one."""
+    n = 3
+    ours = _params(0)
+    opt = build_outer_optimizer("delayed_nesterov", ours, 0.7, 0.9, delay=n)
+    arrivals = []
+    for r in range(4):
+        gs = [_params(300 + 10 * r + i) for i in range(n)]
+        opt.step(ours, [sum(parts) / n for parts in zip(*gs)], num_contributions=n)
+        arrivals += gs
+    theta, m, _ = _dn_reference(_params(0), arrivals, 0.7, 0.9, n, 0.0)
+    for a, b in zip(ours + opt.buffers, theta + m):
+        torch.testing.assert_close(a, b.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_delayed_nesterov_with_n_contributions_per_round_is_diloco_nesterov():
+    dn, nes = _params(0), _params(0)
+    opt_dn = build_outer_optimizer("delayed_nesterov", dn, 0.7, 0.9, delay=4)
+    opt_nes = OuterNesterov(nes, 0.7, 0.9)
+    for r in range(5):
+        delta = _params(400 + r)
+        opt_dn.step(dn, delta, num_contributions=4)
+        opt_nes.step(nes, delta, num_contributions=4)
+    for a, b in zip(dn + opt_dn.buffers, nes + opt_nes.buffers):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_delayed_nesterov_state_is_digested_deterministic_and_restored():
+    runs = []
+    for _ in range(2):
+        params = _params(0)
+        opt = build_outer_optimizer("delayed_nesterov", params, 0.7, 0.9, delay=3, c=0.2)
+        for r, k in enumerate([2, 2, 1]):
+            opt.step(params, _params(50 + r), num_contributions=k)
+        runs.append((params_digest(params), params_digest(opt.state_tensors()), opt))
+    assert runs[0][:2] == runs[1][:2], "the same bytes in must give the same bits out"
+    opt = runs[0][2]
+    assert len(opt.state_tensors()) == 2 * 3 + 1 and int(opt.arrivals) == 5  # m, buf, t
+    other = build_outer_optimizer("delayed_nesterov", _params(0), 0.7, 0.9, delay=3, c=0.2)
+    assert params_digest(other.state_tensors()) != runs[0][1]  # the counter and buffer are in the digest
+    other.load_state_dict(opt.state_dict())
+    assert params_digest(other.state_tensors()) == runs[0][1]
+
+
+def test_delayed_nesterov_rejects_c_above_one_over_n():
+    with pytest.raises(ValueError):
+        build_outer_optimizer("delayed_nesterov", _params(0), 0.7, 0.9, delay=4, c=0.5)
+
+
+def test_rebase_moves_the_local_work_onto_the_new_global_params():
+    old, new, local = _params(0), _params(1), _params(2)
+    work = [torch.empty_like(p) for p in old]
+    pseudo_gradient(old, local, work)  # δ = θ_old − θ_local, taken before θ_global is replaced
+    rebase(local, new, work)
+    for l, o, n, l0 in zip(local, old, new, _params(2)):
+        torch.testing.assert_close(l, n + (l0 - o), rtol=0, atol=1e-6)
+    same = _params(0)
+    rebase(same, _params(5), [torch.zeros_like(p) for p in same])  # no work: exactly the new θ_global
+    assert params_digest(same) == params_digest(_params(5))

@@ -132,3 +132,98 @@ def test_checkpoint_resume_continues_from_the_saved_round(tmp_path):
     resumed.close()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert sum('"event": "start"' in line for line in lines) == 1, "a resumed peer does not start over"
+
+
+# ---------------------------------------------------------------------------------------------- rebasing late work
+
+class FakeMembership:
+    """Says we are behind the run at ``round_`` and 'downloads' the given state: θ_global, outer state, members."""
+
+    def __init__(self, peer, round_, tensors, members=()):
+        self.peer, self.round, self.tensors, self.members = peer, round_, tensors, members
+
+    def behind(self, live_roster):
+        from p2p_diloco.net.consensus import SyncTarget
+
+        return SyncTarget(self.round, "run-digest", ["donor"])
+
+    def fetch(self, target, fresh):
+        self.peer.state.load(target.round, self.tensors, self.members)
+        return True
+
+
+def _behind_the_run(tmp_path, run_round, members=(), **extra):
+    """A peer with one round of local work not yet committed, then told the run is at ``run_round``."""
+    peer, _ = _peer(tmp_path, [], rounds=1, **extra)
+    peer._inner_steps([], 0.0)  # H inner steps: local work on top of θ_global (round 0)
+    old = [p.clone() for p in peer.state.params]
+    local = [p.detach().clone() for p in peer.model.parameters()]
+    new_state = [t + 0.01 * torch.randn_like(t) for t in peer.state.tensors()]  # the run's θ_global and momentum
+    peer.membership = FakeMembership(peer, run_round, new_state, members)
+    tokens = peer.tokens_since_commit
+    peer._catch_up([])
+    peer.membership = None
+    events = [r for r in map(__import__("json").loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+              if r["event"] in ("rebase", "drop_work")]
+    return peer, old, local, new_state, tokens, events
+
+
+def test_a_late_peer_rebases_its_work_onto_the_runs_theta_global(tmp_path):
+    peer, old, local, new_state, tokens, events = _behind_the_run(tmp_path, 3, **{"diloco.max_staleness": "3"})
+    n = len(peer.state.params)
+    assert peer.round == 3 and params_digest(peer.state.tensors()) == params_digest(new_state)  # the run's, exactly
+    for l, o, g, l0 in zip(peer.model.parameters(), old, new_state[:n], local):
+        torch.testing.assert_close(l.detach(), g + (l0 - o), rtol=0, atol=1e-6)  # θ_new + (θ_local − θ_old)
+    assert peer.tokens_since_commit == tokens > 0 and peer.work_round == 0  # its weight and its age are kept
+    assert [(e["event"], e["staleness"], e["tokens"]) for e in events] == [("rebase", 3, tokens)]
+    peer.close()
+
+
+def test_work_older_than_max_staleness_is_dropped(tmp_path):
+    peer, _, _, new_state, tokens, events = _behind_the_run(tmp_path, 3, **{"diloco.max_staleness": "2"})
+    assert params_digest(peer.model.parameters()) == params_digest(new_state[:len(peer.state.params)])
+    assert peer.tokens_since_commit == 0 and peer.work_round == 3
+    assert [(e["event"], e["reason"]) for e in events] == [("drop_work", "too old")]
+    peer.close()
+
+
+def test_work_already_in_the_runs_average_is_not_contributed_twice(tmp_path):
+    # our contribution of round 1 reached the others' average although our own all-reduce failed
+    peer, _, _, _, _, events = _behind_the_run(tmp_path, 2, members=[[1, ["p0", "p1"]], [2, ["p1"]]])
+    assert peer.tokens_since_commit == 0
+    assert [(e["event"], e["reason"]) for e in events] == [("drop_work", "already averaged")]
+    peer.close()
+
+
+def test_rebased_work_and_its_age_survive_a_checkpoint(tmp_path):
+    peer, _, _, _, tokens, _ = _behind_the_run(tmp_path, 2)
+    local = params_digest(peer.model.parameters())
+    peer.close()  # saves θ_global (round 2), θ_local with the rebased work, its tokens and age
+    resumed, _ = _peer(tmp_path, [], rounds=3)
+    assert (resumed.round, resumed.tokens_since_commit, resumed.work_round) == (2, tokens, 0)
+    assert params_digest(resumed.model.parameters()) == local
+    resumed.close()
+
+
+def test_lr_clock_rounds_follows_the_runs_progress_and_slowdown_stretches_steps(tmp_path):
+    import time
+
+    peer, _ = _peer(tmp_path, ["ok"], rounds=1, **{"inner.warmup_steps": "100", "fault.slowdown": "3"})
+    computing, step = [], peer.inner.step
+
+    def timed(*args):
+        t0 = time.perf_counter()
+        out = step(*args)
+        computing.append(time.perf_counter() - t0)
+        return out
+
+    peer.inner.step = timed
+    peer.state.round = 10  # as if the run were at round 10 (H = 3): schedule steps 30, 31, 32
+    started = time.perf_counter()
+    peer._inner_steps([], 0.0)
+    wall = time.perf_counter() - started
+    assert peer.inner.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 33 / 100)  # the run's step 32
+    assert peer.inner.step_count == 3  # while its own count says 3 steps
+    assert wall >= 3 * sum(computing) * 0.99  # each step followed by a sleep of 2 x its compute time
+    assert 3 / peer.pace.steps_per_s == pytest.approx(wall, rel=0.1)  # the speed it publishes includes the sleep
+    peer.close()

@@ -55,3 +55,18 @@ def test_sigkilled_peer_takes_its_dht_averager_and_p2pd_along(tmp_path, process_
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(30)
+def test_a_forked_helper_knows_its_parent_by_pid_not_by_being_adopted_by_pid_1():
+    """In a container the peer is pid 1: "my parent is pid 1" must not read as "my parent died"."""
+    from p2p_diloco.ops import procs
+
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:  # the forked child: the pid recorded at fork is its live parent's
+        ok = procs._forking_pid == parent and not procs.parent_died(procs._forking_pid) and procs.parent_died(-1)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not procs.parent_died(None)  # a process exec'd by another program (torchrun's workers): no check

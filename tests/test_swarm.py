@@ -28,7 +28,7 @@ def _assert_rounds_agree(summary, rounds, group_size):
 
 @pytest.mark.timeout(300)
 def test_three_peers_agree_after_every_round_learn_and_leave_nothing(tmp_path, process_tag):
-    out = _swarm(tmp_path, "--peers", "3", "--rounds", "3", "--inner-steps", "15")
+    out = _swarm(tmp_path, "--peers", "3", "--rounds", "3", "--inner-steps", "15", "--no-report")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     _assert_rounds_agree(summary, rounds=3, group_size=3)
@@ -42,11 +42,11 @@ def test_three_peers_agree_after_every_round_learn_and_leave_nothing(tmp_path, p
 
 @pytest.mark.timeout(300)
 def test_restarted_swarm_resumes_from_checkpoints(tmp_path, process_tag):
-    first = _swarm(tmp_path, "--peers", "2", "--rounds", "2", "--inner-steps", "8")
+    first = _swarm(tmp_path, "--peers", "2", "--rounds", "2", "--inner-steps", "8", "--no-report")
     assert first.returncode == 0, first.stdout[-3000:]
     after_first = json.loads((tmp_path / "summary.json").read_text())["rounds"][-1]["global_params_sha256"]
 
-    second = _swarm(tmp_path, "--peers", "2", "--rounds", "4", "--inner-steps", "8")
+    second = _swarm(tmp_path, "--peers", "2", "--rounds", "4", "--inner-steps", "8", "--no-report")
     assert second.returncode == 0, second.stdout[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     _assert_rounds_agree(summary, rounds=4, group_size=2)

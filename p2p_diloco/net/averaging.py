@@ -61,6 +61,7 @@ class Contribution:
     round: int        # number of rounds committed so far: the version of θ_global the pseudo-gradient is relative to
     digest: str       # sha256 of θ_global (hex)
     tokens: int       # tokens processed since the last commit: the weight of this contribution
+    steps_per_s: float = 0.0  # the member's inner-step speed: every member plans its next round from the same list
 
 
 @dataclass
@@ -77,6 +78,7 @@ class AverageResult:
     error: Optional[str] = None
     stale: bool = False                       # the group averaged a θ_global other than ours: repair before contributing
     group_round: Optional[int] = None         # the round the group's majority was at
+    speeds: list[float] = field(default_factory=list)  # every group member's inner steps per second (DyLU)
 
 
 def choose_participants(contributions: Sequence[Contribution]) -> list[int]:
@@ -112,7 +114,8 @@ class CanonicalAverager(DecentralizedAverager):
             me = group_info.peer_ids.index(self.peer_id)
             summary = dict(members=[contributions[i].name for i in members], member_of=me in members,
                            tokens=sum(contributions[i].tokens for i in members),
-                           group_round=contributions[members[0]].round if members else None)
+                           group_round=contributions[members[0]].round if members else None,
+                           speeds=[c.steps_per_s for c in contributions])
             if len(members) < self._min_participants:
                 raise AllreduceException(f"only {len(members)} of {len(contributions)} members agree on θ_global")
             download_bandwidths = [b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)]
@@ -274,7 +277,8 @@ class Averager:
         result = AverageResult(ok=out["member_of"], group_size=len(out["members"]), peers=out["members"],
                                tokens=out["tokens"], bytes_sent=out["bytes_sent"],
                                bytes_received=out["bytes_received"], seconds=time.perf_counter() - start,
-                               allreduce_seconds=out["allreduce_seconds"], group_round=out["group_round"])
+                               allreduce_seconds=out["allreduce_seconds"], group_round=out["group_round"],
+                               speeds=out["speeds"])
         self._estimator.observe(out["bytes_sent"] + out["bytes_received"], out["allreduce_seconds"])
         if not out["member_of"]:
             result.stale, result.error = True, f"the group averaged round {out['group_round']} of another θ_global"

@@ -25,6 +25,8 @@ class PeerStatus:
     tokens_trained: int = 0         # tokens of inner steps this peer has trained in the run (all rounds)
     last_allreduce_s: float = 0.0   # its last averaging attempt, matchmaking included
     last_bytes: int = 0             # bytes it sent and received in that attempt
+    reachability: str = "unknown"   # how it takes part (net/reachability.py): public | relayed | client
+    steps_per_s: float = 0.0        # inner steps per second over its recent rounds (DyLU plans from it; 0: unknown)
 
 
 @dataclass
@@ -60,5 +62,7 @@ def sync_target(me: PeerStatus, roster: Sequence[PeerStatus]) -> Optional[SyncTa
         return None
     holders = [s for s in live
                if s.peer_id != me.peer_id and s.donor and (s.round, s.digest) == (target_round, target_digest)]
-    # one order on every peer (by name): predictable, and a failed donor is simply skipped by the next attempt
-    return SyncTarget(target_round, target_digest, [s.peer_id for s in sorted(holders, key=lambda s: s.name)])
+    # one order on every peer (by name, relayed donors last: their state would cross a relay): predictable, and a
+    # failed donor is simply skipped by the next attempt
+    holders.sort(key=lambda s: (s.reachability == "relayed", s.name))
+    return SyncTarget(target_round, target_digest, [s.peer_id for s in holders])

@@ -1,14 +1,28 @@
 """DHT nodes and every DHT key this project writes or reads.
 
-Keys (all under the run's prefix ``{run_id}_{fingerprint}``, so runs and model shapes never mix):
+Keys under the run's prefix ``{safe_run_id}_{fingerprint}``, so runs and model shapes never mix:
   * ``{prefix}.0b...``           hivemind matchmaking (written by hivemind's averager)
   * ``{prefix}.all_averagers``   state donors, priority = round (written by hivemind's averager)
-  * ``{prefix}.roster``          every peer's PeerStatus (round, digest of θ_global and momentum, leaving)
+  * ``{prefix}.roster``          every peer's PeerStatus (round, digest of θ_global and momentum, leaving, its
+                                 measured speed for DyLU), one subkey per peer id
+  * ``{prefix}.finished``        peers that left after training all of ``run.rounds``: subkey peer id, value
+                                 ``{"name": str, "round": int}``, kept an hour so that a peer finishing later (its
+                                 roster alone, the leavers' entries expired) learns that the run is over
+
+Run-level keys (``{safe_run_id}``: the run_id with characters other than letters, digits, ``_`` and ``-`` as ``_``):
+  * ``{safe_run_id}.runs``       index of the run's prefixes: subkey = prefix, value = {"fingerprint": ...},
+                                 refreshed with the roster heartbeat, so ``p2p-diloco status`` finds every
+                                 prefix of a run knowing only its run_id
+  * ``{safe_run_id}.config``     the run's shared settings: subkey = peer id, value ``{"settings": {"section.key":
+                                 value}, "fingerprint": str}``, refreshed with the roster heartbeat; read by joiners
+                                 to adopt them or be refused on a mismatch (net/run_settings.py)
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import re
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -16,7 +30,7 @@ from typing import Optional, Sequence
 
 import hivemind
 import torch
-from hivemind.p2p import P2PDaemonError
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -34,25 +48,101 @@ torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 
 class DHT(hivemind.DHT):
-    """hivemind.DHT whose background process, and the p2pd daemon it starts, die with the process that created it."""
+    """hivemind.DHT whose background process, and the p2pd daemon it starts, die with the process that created it;
+    its p2pd also reports AutoNAT's verdict (:func:`nat_status`) and uses its trusted relays at once."""
+
+    def __init__(self, *args, p2pd_flags: Optional[dict] = None, **kwargs):
+        self._p2pd_flags = dict(p2pd_flags or {})  # set before super().__init__, which may start the process
+        super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         become_child_process()
         subprocesses_die_with_us()
+        _configure_p2pd(self._p2pd_flags)
         super().run()
+
+
+def safe_run_id(run_id: str) -> str:
+    """``run_id`` with every character other than letters, digits, ``_`` and ``-`` replaced by ``_``."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", run_id)
+
+
+# ---------------------------------------------------------------------------------------------- p2pd settings
+# Settings hivemind 1.1.12's P2P.create cannot pass to its p2pd (hivemind is pinned exactly, see averaging.py),
+# applied in the DHT's own process only:
+#  * the relay's limits per relayed connection (network.relay_time_limit, network.relay_data_limit);
+#  * with trusted relays, -relayDiscovery=0: otherwise p2pd's autorelay waits for 4 relay candidates or 3 minutes
+#    (go-libp2p's bootDelay) before it reserves a slot; with static relays it reserves once AutoNAT says "private";
+#  * AutoNAT's verdict ("NAT status is public|private", logged at debug level by the autonat subsystem) is kept for
+#    nat_status(): p2pd exposes it in no other way.
+_NAT_STATUS: dict = {"status": None}
+_NAT_CHANGED: Optional[asyncio.Event] = None
+
+
+def _configure_p2pd(flags: dict) -> None:
+    from hivemind.utils.logging import loglevel, python_level_to_golog
+
+    level = os.environ.get("GOLOG_LOG_LEVEL") or python_level_to_golog(loglevel)  # a user's setting, if any
+    os.environ["GOLOG_LOG_LEVEL"] = f"{level},autonat=debug"
+    make_args, log_line = P2P._make_process_args, P2P._log_p2pd_message
+
+    def make_process_args(*args, **kwargs):
+        if kwargs.get("trustedRelays"):
+            kwargs.setdefault("relayDiscovery", False)
+        return make_args(*args, **{**kwargs, **flags})
+
+    def log_p2pd_message(line: str) -> None:
+        match = re.search(r"NAT status is (public|private|unknown)", line)
+        if match:
+            _NAT_STATUS["status"] = match.group(1)
+            if _NAT_CHANGED is not None:
+                _NAT_CHANGED.set()
+        log_line(line)
+
+    P2P._make_process_args = staticmethod(make_process_args)
+    P2P._log_p2pd_message = staticmethod(log_p2pd_message)
+
+
+def nat_status(dht: hivemind.DHT, timeout: float = 0.0) -> Optional[str]:
+    """AutoNAT's verdict on this node: "public" (peers dialed it back), "private" (they could not) or "unknown";
+    None if it has none yet. Waits up to ``timeout`` seconds for a first verdict (p2pd starts asking its peers to
+    dial back 15 s after it started)."""
+    return dht.run_coroutine(_NatStatusQuery(timeout))
+
+
+class _NatStatusQuery:
+    """Runs in the DHT's process (picklable, unlike a closure)."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+
+    async def __call__(self, _dht, _node) -> Optional[str]:
+        global _NAT_CHANGED
+        if _NAT_STATUS["status"] is None and self.timeout > 0:
+            _NAT_CHANGED = _NAT_CHANGED or asyncio.Event()
+            try:
+                await asyncio.wait_for(_NAT_CHANGED.wait(), self.timeout)
+            except asyncio.TimeoutError:
+                pass
+        return _NAT_STATUS["status"]
 
 
 def run_prefix(run_id: str, fingerprint: str) -> str:
     """Namespace of one run: peers with another run_id, model or codec never group with us."""
-    safe = re.sub(r"[^A-Za-z0-9_-]", "_", run_id)
-    return f"{safe}_{fingerprint}"
+    return f"{safe_run_id(run_id)}_{fingerprint}"
 
 
-def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None) -> DHT:
-    """Start a DHT node from the [network] section; raise JoinError (one line) if it cannot join in time."""
+def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_reachability: Optional[str] = None,
+              relays: Sequence[str] = ()) -> DHT:
+    """Start a DHT node from the [network] section; raise JoinError (one line) if it cannot join in time.
+
+    ``client_mode`` overrides ``network.client_mode``; ``force_reachability`` ("public"/"private") replaces p2pd's
+    AutoNAT verdict; ``relays``: multiaddrs of relays to reserve a slot at as soon as this node is found unreachable.
+    """
     _check_maddrs("network.initial_peers", cfg.initial_peers)
     _check_maddrs("network.host_maddrs", cfg.host_maddrs)
     _check_maddrs("network.announce_maddrs", cfg.announce_maddrs)
+    _check_maddrs("network.trusted_relays", cfg.trusted_relays)
     if cfg.identity_path:
         try:
             Path(cfg.identity_path).expanduser().parent.mkdir(parents=True, exist_ok=True)
@@ -66,9 +156,13 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None) -> DHT:
         client_mode=cfg.client_mode if client_mode is None else client_mode,
         startup_timeout=cfg.join_timeout,
         bootstrap_timeout=cfg.join_timeout,
+        force_reachability=force_reachability,
+        use_auto_relay=bool(relays),
+        trusted_relays=list(relays) or None,
     )
+    flags = {"relayDataLimit": cfg.relay_data_limit, "relayTimeLimit": f"{round(cfg.relay_time_limit * 1000)}ms"}
     try:
-        dht = DHT(start=True, await_ready=False, **kwargs)
+        dht = DHT(start=True, await_ready=False, p2pd_flags=flags, **kwargs)
         dht.wait_until_ready(timeout=cfg.join_timeout + 5)
     except TimeoutError:
         dht.shutdown()
@@ -80,6 +174,37 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None) -> DHT:
             msg = f"no initial peer reachable ({','.join(cfg.initial_peers)}): {msg}"
         raise JoinError(msg) from None
     return dht
+
+
+def reconnect(dht: hivemind.DHT, maddrs: Sequence[str], timeout: float) -> int:
+    """Dial and ping these nodes again, so that they are back in this node's DHT routing table; return how many
+    answered. A DHT node drops every neighbour that fails a request (a home router's outage does that to all of
+    them) and hivemind never bootstraps again by itself: without this, such a peer stays alone for good."""
+    return dht.run_coroutine(_Reconnect(list(maddrs), timeout))
+
+
+class _Reconnect:
+    """Runs in the DHT's process (picklable, unlike a closure)."""
+
+    def __init__(self, maddrs: list[str], timeout: float):
+        self.maddrs, self.timeout = maddrs, timeout
+
+    async def __call__(self, _dht, node) -> int:
+        async def ping(maddr: str) -> bool:
+            address, peer = maddr.rsplit("/p2p/", 1)
+            peer_id = PeerID.from_base58(peer)
+            for fresh in (False, True):  # a connection that lived through the outage may still be stalled
+                try:
+                    if fresh:
+                        await asyncio.wait_for(node.p2p._client.disconnect(peer_id), self.timeout)
+                    await asyncio.wait_for(node.p2p._client.connect(peer_id, [Multiaddr(address)]), self.timeout)
+                    if await node.protocol.call_ping(peer_id) is not None:
+                        return True
+                except Exception as e:
+                    logger.debug(f"reconnecting to {maddr} failed: {e!r}")
+            return False
+
+        return sum(await asyncio.gather(*(ping(m) for m in self.maddrs if "/p2p/" in m)))
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
@@ -134,3 +259,88 @@ def read_roster(dht: hivemind.DHT, prefix: str, timeout: float) -> list[PeerStat
         except (TypeError, AttributeError):
             continue
     return roster
+
+
+# ---------------------------------------------------------------------------------------------- the run index
+# {safe_run_id}.runs: one subkey per prefix of the run, value = {"fingerprint": ...}, expiring unless refreshed.
+
+def run_index_key(run_id: str) -> str:
+    return f"{safe_run_id(run_id)}.runs"
+
+
+def publish_run_index(dht: hivemind.DHT, run_id: str, prefix: str, fingerprint: str, ttl: float) -> None:
+    """Announce that ``prefix`` belongs to ``run_id`` for ``ttl`` seconds, without waiting for the store: the
+    roster heartbeat that calls this must stay on time (a late heartbeat lets a live peer's entry expire), and
+    a lost announcement only hides the run from ``status`` until the next heartbeat."""
+    dht.store(run_index_key(run_id), subkey=prefix, value={"fingerprint": fingerprint},
+              expiration_time=get_dht_time() + ttl, return_future=True)  # the future is dropped: nobody waits
+
+
+def read_run_index(dht: hivemind.DHT, run_id: str, timeout: float) -> list[str]:
+    """The prefixes of ``run_id`` announced within the roster TTL, sorted; [] if none or the DHT does not answer."""
+    future = dht.get(run_index_key(run_id), latest=True, return_future=True)
+    try:
+        found = future.result(timeout=timeout)
+    except Exception as e:
+        logger.debug(f"reading the run index failed: {e!r}")
+        return []
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return sorted(str(prefix) for prefix in found.value)
+
+
+# ---------------------------------------------------------------------------------------------- run settings
+# {safe_run_id}.config: one subkey per peer id, value = {"settings": {...}, "fingerprint": str}, expiring unless
+# refreshed (heartbeat).
+
+def run_settings_key(run_id: str) -> str:
+    return f"{safe_run_id(run_id)}.config"
+
+
+def publish_run_settings(dht: hivemind.DHT, run_id: str, peer_id: str, settings: dict, fingerprint: str,
+                         ttl: float) -> None:
+    """Publish the run settings this peer trains with for ``ttl`` seconds, without waiting for the store (as the
+    run index: the heartbeat that calls this must stay on time; a lost store is redone by the next heartbeat)."""
+    dht.store(run_settings_key(run_id), subkey=peer_id, value={"settings": settings, "fingerprint": fingerprint},
+              expiration_time=get_dht_time() + ttl, return_future=True)  # the future is dropped: nobody waits
+
+
+def read_run_settings(dht: hivemind.DHT, run_id: str, timeout: float) -> list[dict]:
+    """Every unexpired published run settings entry of ``run_id``; [] if none or if the DHT does not answer."""
+    future = dht.get(run_settings_key(run_id), latest=True, return_future=True)
+    try:
+        found = future.result(timeout=timeout)
+    except Exception as e:
+        logger.debug(f"reading run settings failed: {e!r}")
+        return []
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return [entry.value for entry in found.value.values() if isinstance(entry.value, dict)]
+
+
+# ---------------------------------------------------------------------------------------------- finished peers
+# {prefix}.finished: one subkey per peer id, value = {"name": str, "round": int}.
+
+def publish_finished(dht: hivemind.DHT, prefix: str, peer_id: str, name: str, round_: int, ttl: float,
+                     timeout: float) -> bool:
+    future = dht.store(f"{prefix}.finished", subkey=peer_id, value={"name": name, "round": round_},
+                       expiration_time=get_dht_time() + ttl, return_future=True)
+    try:
+        return bool(future.result(timeout=timeout))
+    except Exception as e:  # the roster's leaving entry says as much while it lives
+        logger.debug(f"publishing the end of our run failed: {e!r}")
+        return False
+
+
+def read_finished(dht: hivemind.DHT, prefix: str, timeout: float) -> list[tuple[str, int]]:
+    """(name, round) of every peer that left after training the whole run; [] if none or no answer."""
+    future = dht.get(f"{prefix}.finished", latest=True, return_future=True)
+    try:
+        found = future.result(timeout=timeout)
+    except Exception as e:
+        logger.debug(f"reading finished peers failed: {e!r}")
+        return []
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return [(str(e.value["name"]), int(e.value["round"])) for e in found.value.values()
+            if isinstance(e.value, dict) and "name" in e.value and isinstance(e.value.get("round"), int)]

@@ -3,10 +3,16 @@
 
 * Roster: every peer publishes its :class:`PeerStatus` under ``{prefix}.roster`` and refreshes it every
   ``averaging.roster_ttl`` / 3 seconds (heartbeat thread); an entry expires ``roster_ttl`` seconds after the last one.
+  The heartbeat also refreshes the run index (``{safe_run_id}.runs``) through which ``p2p-diloco status`` finds
+  the run's prefix knowing only its run_id.
 * Sync: before contributing, a peer compares itself with the live roster (:func:`consensus.sync_target`); if the
   run moved past its θ_global, or most peers hold other bytes for its round, it downloads the run's state from a
-  peer that holds it and checks it against the donor's digest and the roster's.
+  peer that holds it and checks it against the donor's digest and the roster's. What happens to the peer's local
+  work then (rebased or dropped) is the peer's decision, between :meth:`Membership.behind` and :meth:`fetch`.
+* Run settings: with every heartbeat the peer also publishes the run's shared settings it trains with
+  (net/run_settings.py), which joiners adopt or are checked against.
 * Donating: a peer that is not in client mode serves a consistent snapshot of its state to joiners.
+* Reachability: each entry says how its peer takes part (public, relayed or client; net/reachability.py).
 """
 
 from __future__ import annotations
@@ -16,28 +22,36 @@ import threading
 import time
 from typing import Optional
 
-from p2p_diloco.config import Config
-from p2p_diloco.net.consensus import PeerStatus, SyncTarget, sync_target
-from p2p_diloco.net.dht import publish_status, read_roster
+from p2p_diloco.config import Config, ConfigError, shared_settings
+from p2p_diloco.net.consensus import PeerStatus, SyncTarget, majority_state, sync_target
+from p2p_diloco.net.dht import (publish_finished, publish_run_index, publish_run_settings, publish_status,
+                                read_finished, read_roster, reconnect)
 from p2p_diloco.ops.metrics import MetricsSink
 from p2p_diloco.train.global_state import GlobalState
 from p2p_diloco.train.outer import state_digests
 
 logger = logging.getLogger("p2p_diloco")
+FINISHED_TTL = 3600.0  # s a "finished the run" entry lasts: a peer that comes late still learns the run is over
 
 
 class Membership:
     """Roster, heartbeat, sync and state serving for one peer. ``state`` is the peer's :class:`GlobalState`."""
 
     def __init__(self, cfg: Config, dht, averager, prefix: str, name: str, state: GlobalState, fingerprint: str,
-                 metrics: MetricsSink, stop_event: threading.Event, log: logging.Logger = logger):
+                 metrics: MetricsSink, stop_event: threading.Event, log: logging.Logger = logger,
+                 reachability: str = "public"):
         self.cfg, self.dht, self.averager, self.prefix = cfg, dht, averager, prefix
         self.name, self.state, self.fingerprint = name, state, fingerprint
         self.metrics, self.stop_event, self.log = metrics, stop_event, log
+        self.reachability = reachability  # how this peer takes part: public | relayed | client (net/reachability.py)
         self._closed = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
+        self._last_reconnect = 0.0
+        self._saw_others = False  # after an outage (not at start), reconnecting is worth a log line
         # what we report about our work in the roster (PeerStatus fields of the same names); the peer updates it
-        self.work = {"tokens_per_s": 0.0, "tokens_trained": 0, "last_allreduce_s": 0.0, "last_bytes": 0}
+        self.work = {"tokens_per_s": 0.0, "tokens_trained": 0, "last_allreduce_s": 0.0, "last_bytes": 0,
+                     "steps_per_s": 0.0}
+        self.settings = shared_settings(cfg)
 
     @property
     def peer_id(self) -> str:
@@ -46,21 +60,47 @@ class Membership:
     # ------------------------------------------------------------------------------------------------ roster
     def status(self, leaving: bool = False) -> PeerStatus:
         return PeerStatus(name=self.name, peer_id=self.peer_id, round=self.state.round, digest=self.state.digest,
-                          leaving=leaving, donor=not self.cfg.network.client_mode, **self.work)
+                          leaving=leaving, donor=self.reachability != "client", reachability=self.reachability,
+                          **self.work)
 
     def publish(self, leaving: bool = False) -> None:
-        publish_status(self.dht, self.prefix, self.status(leaving), ttl=self.cfg.averaging.roster_ttl,
-                       timeout=self.cfg.averaging.request_timeout)
+        ttl, timeout = self.cfg.averaging.roster_ttl, self.cfg.averaging.request_timeout
+        publish_status(self.dht, self.prefix, self.status(leaving), ttl=ttl, timeout=timeout)
+        if not leaving:
+            publish_run_settings(self.dht, self.cfg.run.run_id, self.peer_id, self.settings, self.fingerprint, ttl=ttl)
 
     def roster(self) -> list[PeerStatus]:
-        """Every unexpired roster entry, leavers included."""
-        return read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+        """Every unexpired roster entry, leavers included. Seeing nobody else, first dial the initial peers again
+        (at most every roster_ttl): after a network outage this node's DHT may have dropped all its neighbours."""
+        roster = read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+        alone = not any(s.peer_id != self.peer_id for s in roster)
+        if alone and self.cfg.network.initial_peers and self._may_reconnect():
+            answered = reconnect(self.dht, self.cfg.network.initial_peers, self.cfg.averaging.request_timeout)
+            if answered:
+                (self.log.info if self._saw_others else self.log.debug)(
+                    f"no other peer in the roster: reached {answered} initial peer(s) again")
+                roster = read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+        self._saw_others = self._saw_others or not alone
+        return roster
+
+    def _may_reconnect(self) -> bool:
+        now = time.monotonic()
+        if now - self._last_reconnect < self.cfg.averaging.roster_ttl:
+            return False
+        self._last_reconnect = now
+        return True
 
     def live_roster(self) -> list[PeerStatus]:
         return [s for s in self.roster() if not s.leaving]
 
+    def announce_run(self) -> None:
+        """Keep this prefix in the run index (for ``p2p-diloco status``), for one roster TTL."""
+        publish_run_index(self.dht, self.cfg.run.run_id, self.prefix, self.fingerprint,
+                          ttl=self.cfg.averaging.roster_ttl)
+
     def enter(self) -> None:
-        """Appear in the roster, serve our state, and keep the entry fresh until :meth:`leave`."""
+        """Appear in the roster and the run index, serve our state, and keep both fresh until :meth:`leave`."""
+        self.announce_run()
         self.state_changed()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="roster-heartbeat", daemon=True)
         self._heartbeat.start()
@@ -68,6 +108,7 @@ class Membership:
     def _heartbeat_loop(self) -> None:
         while not self._closed.wait(self.cfg.averaging.roster_ttl / 3):
             self.publish()
+            self.announce_run()
 
     def state_changed(self) -> None:
         """Our θ_global moved (commit or download): tell the roster, and serve the new state."""
@@ -75,9 +116,14 @@ class Membership:
         self.averager.serve_state(self.donate_state, self.state.round)
 
     def leave(self) -> None:
-        """Announce a graceful leave (others stop counting and waiting for us) and stop serving state."""
+        """Announce a graceful leave (others stop counting and waiting for us) and stop serving state; if we trained
+        all of ``run.rounds``, say so for longer than a roster entry lives, for peers that finish later."""
         self._closed.set()
         self.publish(leaving=True)
+        rounds = self.cfg.run.rounds
+        if rounds is not None and self.state.round >= rounds:
+            publish_finished(self.dht, self.prefix, self.peer_id, self.name, self.state.round, ttl=FINISHED_TTL,
+                             timeout=self.cfg.averaging.request_timeout)
         self.averager.stop_serving()
 
     # ------------------------------------------------------------------------------------------------ waiting
@@ -102,6 +148,23 @@ class Membership:
             self.stop_event.wait(1.0)  # the roster lives in the DHT: there is no event to wait on, so poll
         self.log.warning(f"starting without the {expected} expected peers")
 
+    def check_initial_state(self, source: str) -> None:
+        """``model.init_from``: before round 1, compare our θ_global with that of the other peers at round 0.
+        Raises ConfigError (exit 2) if most of them (ties as in :func:`majority_state`) start from other bytes: a
+        checkpoint that differs between machines (another hub revision, other files) must not be averaged in."""
+        others = [s for s in self.live_roster() if s.round == 0 and s.peer_id != self.peer_id]
+        if not others:
+            return
+        _, run_digest = majority_state([(0, s.digest) for s in others] + [(0, self.state.digest)])
+        if run_digest != self.state.digest:
+            raise ConfigError(f"model.init_from: '{source}' gives us initial weights {self.state.digest[:12]}, but "
+                              f"the run starts from {run_digest[:12]}: every peer must load the same checkpoint "
+                              f"(same hub revision, same files)")
+        differ = sorted(s.name for s in others if s.digest != self.state.digest)
+        self.log.info(f"initial θ_global ({self.state.digest[:12]}, from {source}) agrees with "
+                      f"{len(others) - len(differ)} other peer(s)" + (f"; {', '.join(differ)} start from other "
+                                                                     f"weights and will stop" if differ else ""))
+
     def run_is_over(self, roster: list[PeerStatus]) -> bool:
         """True if every other peer has left the run after training all of ``run.rounds``: nobody is left to
         average with, and the run's result exists elsewhere (a lone peer otherwise keeps training and waits)."""
@@ -109,24 +172,32 @@ class Membership:
         if rounds is None:
             return False
         others = [s for s in roster if s.peer_id != self.peer_id]
-        finished = [s for s in others if s.leaving and s.round >= rounds]
-        if finished and all(s.leaving for s in others):
-            self.log.warning(f"the run finished without us: {', '.join(s.name for s in finished)} left after "
-                             f"round {rounds}; stopping at round {self.state.round}")
+        if not all(s.leaving for s in others):
+            return False
+        # those that left after the last round: in the roster, or (entries expired) in the finished list
+        recorded = read_finished(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+        finished = sorted({s.name for s in others if s.round >= rounds} | {n for n, r in recorded if r >= rounds})
+        if finished:
+            self.log.warning(f"the run finished without us: {', '.join(finished)} left after round {rounds}; "
+                             f"stopping at round {self.state.round}")
             return True
         return False
 
     # ------------------------------------------------------------------------------------------------ state
-    def sync(self, live_roster: list[PeerStatus], fresh: bool) -> bool:
-        """Before contributing: if the run has moved past our θ_global, or most peers hold other bytes for our
-        round, fetch the run's state from a peer that holds it (digest-checked). True if our state was replaced.
-        ``fresh``: this peer has not trained yet (the transfer is logged as a join, else as a repair)."""
+    def behind(self, live_roster: list[PeerStatus]) -> Optional[SyncTarget]:
+        """The run's state to fetch before contributing, if the run moved past our θ_global or most peers hold other
+        bytes for our round and some donor serves it; else None."""
         target = sync_target(self.status(), live_roster)
         if target is None:
-            return False
+            return None
         if not target.donors:
             self.log.warning(f"behind the run (round {target.round}) but no donor serves that state yet")
-            return False
+            return None
+        return target
+
+    def fetch(self, target: SyncTarget, fresh: bool) -> bool:
+        """Download ``target`` from its donors (digest-checked) into our state. True if our state was replaced.
+        ``fresh``: this peer has not trained yet (the transfer is logged as a join, else as a repair)."""
         kind = "join" if fresh else "repair"
         self.log.info(f"{kind}: our round {self.state.round} ({self.state.digest[:12]}) vs the run's round "
                       f"{target.round} ({target.digest[:12]}); fetching state")
@@ -143,7 +214,7 @@ class Membership:
         if problem:
             self.log.warning(f"{kind}: state from {donor} rejected: {problem}")
             return False
-        self.state.load(metadata["round"], tensors)
+        self.state.load(metadata["round"], tensors, metadata.get("members", ()))
         self.state_changed()
         seconds = time.perf_counter() - start
         size = sum(t.numel() * t.element_size() for t in tensors)
@@ -172,7 +243,8 @@ class Membership:
 
     def donate_state(self) -> tuple[dict, list]:
         """Called on hivemind's state thread when a peer downloads from us: a consistent snapshot."""
-        round_, digest, tensors = self.state.snapshot()
-        metadata = {"round": round_, "digest": digest, "fingerprint": self.fingerprint, "name": self.name}
+        round_, digest, tensors, members = self.state.snapshot()
+        metadata = {"round": round_, "digest": digest, "fingerprint": self.fingerprint, "name": self.name,
+                    "members": members}
         return metadata, tensors
 

@@ -2,6 +2,13 @@
 
 It holds no model and takes no part in averaging; any live peer can serve as an initial peer too, so losing the
 bootstrap node never stops a running swarm.
+
+It is also the relay of the run's home peers (libp2p circuit relay v2, in p2pd): with ``network.reachability =
+public`` (the default here: a bootstrap node must be reachable anyway) its p2pd is told it is public, and serves
+relayed connections of up to 30 min and 4 GiB each way, 16 per peer. hivemind 1.1.12's p2pd then races, at
+start-up, between that relay and go-libp2p's default one (2 min, 128 KiB per relayed connection: useless for an
+all-reduce): the node asks its own relay for its limits and restarts p2pd until the large one serves
+(net/nat.py).
 """
 
 from __future__ import annotations
@@ -18,16 +25,21 @@ logger = logging.getLogger("p2p_diloco.bootstrap")
 DEFAULTS = {
     "network.host_maddrs": ["/ip4/0.0.0.0/tcp/31337"],
     "network.identity_path": "bootstrap.key",
+    "network.reachability": "public",
 }
+RELAY_STARTS = 8  # each start keeps the small relay with probability ~1/2 (measured 4 of 8)
 
 
 def run_bootstrap(cfg: NetworkConfig, stop_event: threading.Event, *, maddrs_file: Optional[str] = None,
                   echo: Callable[[str], None] = print) -> None:
     """Serve the DHT until ``stop_event`` is set. Prints the addresses to give peers and a command to join."""
-    from p2p_diloco.net.dht import start_dht, visible_maddrs  # hivemind loads in ~2 s: not for --help or bad input
+    from p2p_diloco.net.dht import visible_maddrs  # hivemind loads in ~2 s: not for --help or bad input
 
-    dht = start_dht(cfg)
+    from p2p_diloco.ops.doctor import ServeSpeedTest
+
+    dht = _start_with_relay(cfg, echo)
     try:
+        dht.run_coroutine(ServeSpeedTest())  # for p2p-diloco doctor's throughput line
         maddrs = visible_maddrs(dht)
         echo(f"bootstrap node {dht.peer_id} is up; identity file: {cfg.identity_path or '(none: new id each start)'}")
         for maddr in maddrs:
@@ -48,3 +60,30 @@ def _write_atomically(path: str, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def _start_with_relay(cfg: NetworkConfig, echo: Callable[[str], None]):
+    """Start the DHT node; if it is to be public, restart it until its relay grants the large limits."""
+    from p2p_diloco.net.dht import start_dht, visible_maddrs
+    from p2p_diloco.net.nat import own_relay_limits
+    from p2p_diloco.net.reachability import DEFAULT_RELAY_LIMIT, RelayInfo, is_public_ip, limits_text
+
+    force = None if cfg.reachability == "auto" else cfg.reachability
+    for attempt in range(1, RELAY_STARTS + 1):
+        dht = start_dht(cfg, force_reachability=force)
+        if force != "public":
+            echo("relay: serves once AutoNAT finds this node public (network.reachability=public skips that)")
+            return dht
+        if not any(is_public_ip(m.split("/")[2]) for m in visible_maddrs(dht)):
+            echo("relay: off (no public address: a relay must have one; network.announce_maddrs can add it)")
+            return dht
+        limits = own_relay_limits(dht)
+        if limits is not None and tuple(limits) != DEFAULT_RELAY_LIMIT:
+            echo(f"relay: on; {limits_text(RelayInfo('', *limits))}")
+            return dht
+        if attempt == RELAY_STARTS:
+            echo(f"relay: could not get p2pd's configured relay in {RELAY_STARTS} starts (limits {limits}); "
+                 f"home peers cannot average through this node")
+            return dht
+        logger.info(f"relay: p2pd kept go-libp2p's default relay (limits {limits}); restarting it")
+        dht.shutdown()

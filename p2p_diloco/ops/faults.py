@@ -2,8 +2,11 @@
 
 ``--fault.inject=kill:allreduce:3`` makes the peer SIGKILL itself while its reducer streams results in round 3;
 ``stall:...`` freezes the peer's whole process group with SIGSTOP instead (a frozen machine: no FIN, no RST), which
-only timeouts can detect. Phases:
-  * ``inner``        halfway through the round's inner steps
+only timeouts can detect (the local swarm can thaw it with SIGCONT); ``term:...`` sends the peer SIGTERM, a graceful
+stop at that moment (it saves a checkpoint holding its unfinished round's work). ``hold:...`` pauses the peer at that
+moment until a test harness removes the file ``run_dir/hold`` the peer created (at most HOLD_MAX_S), so that the
+harness can act on the network (take the peer's router down) while, say, an all-reduce is in flight. Phases:
+  * ``inner``        halfway through the round's planned inner steps (at its end if DyLU's time budget ends it sooner)
   * ``matchmaking``  once the averager is looking for a group
   * ``allreduce``    after the reducer has streamed its first averaged part (parts still in flight)
   * ``serving``      after the first message of a state download served to a joining peer
@@ -15,11 +18,16 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 PHASES = ("inner", "matchmaking", "allreduce", "serving")
-ACTIONS = ("kill", "stall")
+ACTIONS = ("kill", "stall", "term", "hold")
+HOLD_FILE = "hold"
+HOLD_MAX_S = 120.0
+_held: set = set()  # holds already served in this process: a hold strikes once (strike() may be called per part)
 
 
 @dataclass(frozen=True)
@@ -28,24 +36,42 @@ class Fault:
     phase: str
     round: int
     main_pid: int  # the peer's main process: a kill takes it (and so, through PDEATHSIG, every helper) down
+    hold_path: str = ""  # hold: the file that marks the peer as held, removed by the harness to release it
 
     def due(self, phase: str, round_: int) -> bool:
         return phase == self.phase and round_ == self.round
 
     def strike(self) -> None:
-        """Kill or freeze the peer now. Does not return when it kills."""
+        """Kill, freeze or hold the peer now. Does not return when it kills."""
+        if self.action == "hold":
+            self._hold()
+            return
         if self.action == "stall":
             os.killpg(os.getpgid(self.main_pid), signal.SIGSTOP)
+            return
+        if self.action == "term":
+            os.kill(self.main_pid, signal.SIGTERM)
             return
         os.kill(self.main_pid, signal.SIGKILL)
         os._exit(137)  # when called from a helper process (averager), vanish at once too
 
+    def _hold(self) -> None:
+        if self in _held:
+            return
+        _held.add(self)
+        path = Path(self.hold_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{self.phase}:{self.round}\n")
+        deadline = time.monotonic() + HOLD_MAX_S
+        while path.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)  # the harness is another process: it removes the file, there is no event to wait on
 
-def parse_fault(text: Optional[str], main_pid: Optional[int] = None) -> Optional[Fault]:
+
+def parse_fault(text: Optional[str], main_pid: Optional[int] = None, hold_path: str = "") -> Optional[Fault]:
     """``ACTION:PHASE:ROUND`` → Fault; None for None. Raises ValueError with a readable message."""
     if text is None:
         return None
     parts = text.split(":")
     if len(parts) != 3 or parts[0] not in ACTIONS or parts[1] not in PHASES or not parts[2].isdigit():
         raise ValueError(f"expected ACTION:PHASE:ROUND with ACTION in {ACTIONS} and PHASE in {PHASES}, got {text!r}")
-    return Fault(parts[0], parts[1], int(parts[2]), main_pid if main_pid is not None else os.getpid())
+    return Fault(parts[0], parts[1], int(parts[2]), main_pid if main_pid is not None else os.getpid(), hold_path)

@@ -1,12 +1,17 @@
-"""One metrics sink interface: records are flat dicts with namespaced keys (``train/loss``, ``outer/allreduce_s``)."""
+"""One metrics sink interface: records are flat dicts with namespaced keys (``train/loss``, ``outer/allreduce_s``).
+
+A peer logs through one :class:`MetricsSink` (:func:`build_sink`): the JSONL file always, and TensorBoard and
+Weights & Biases when configured (``run.tensorboard``, ``run.wandb_project``), behind one :class:`FanOut`.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
 
 
 class MetricsSink:
@@ -32,6 +37,91 @@ class JsonlSink(MetricsSink):
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
+
+
+class FanOut(MetricsSink):
+    """Every record to every sink, in order; closing closes them all even if one fails."""
+
+    def __init__(self, sinks: Sequence[MetricsSink]):
+        self.sinks = list(sinks)
+
+    def log(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(record)
+
+    def close(self) -> None:
+        errors = []
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as e:  # the others must still be closed (files flushed, services ended)
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The record's namespaced numbers (``train/loss``, ``outer/bytes_sent``...): what curves are drawn from."""
+    return {k: float(v) for k, v in record.items()
+            if "/" in k and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class TensorBoardSink(MetricsSink):
+    """Scalars of every record as TensorBoard events in ``log_dir`` (torch's SummaryWriter), step = round."""
+
+    def __init__(self, log_dir: str | os.PathLike, flush_secs: int = 10):
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (an extra)
+
+        self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=flush_secs)
+
+    def log(self, record: dict[str, Any]) -> None:
+        for key, value in scalars(record).items():
+            self.writer.add_scalar(key, value, global_step=record.get("round"))
+        if record.get("event") == "sample":  # text samples (run.sample_every) under TensorBoard's Text tab
+            text = f"{record['prompt']}{record['text']}"
+            self.writer.add_text("sample", f"```\n{text}\n```", global_step=record.get("round"))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink(MetricsSink):
+    """Scalars of every record to a Weights & Biases run (x axis: ``round``); files under ``run_dir/wandb``.
+
+    ``mode="offline"`` writes locally only and never touches the network (``wandb sync`` uploads later)."""
+
+    def __init__(self, project: str, mode: str, run_dir: str | os.PathLike, name: str, group: str,
+                 config: Optional[dict] = None):
+        import wandb  # an extra
+
+        settings = wandb.Settings(console="off", quiet=True, disable_git=True, save_code=False)
+        self.run = wandb.init(project=project, mode=mode, dir=str(run_dir), name=name, group=group,
+                              config=config or {}, settings=settings)
+        self.run.define_metric("round")
+        self.run.define_metric("*", step_metric="round")
+
+    def log(self, record: dict[str, Any]) -> None:
+        values = scalars(record)
+        if values:
+            self.run.log({"round": record.get("round", 0), **values})
+
+    def close(self) -> None:
+        import wandb
+
+        self.run.finish()
+        wandb.teardown()  # ends W&B's service process now, not when this process exits
+
+
+def build_sink(cfg, run_dir: str | os.PathLike, name: str) -> MetricsSink:
+    """The peer's sink: ``run_dir/metrics.jsonl``, plus TensorBoard and W&B as ``cfg.run`` asks."""
+    run_dir = Path(run_dir)
+    sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl")]
+    if cfg.run.tensorboard:
+        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+    if cfg.run.wandb_project:
+        sinks.append(WandbSink(cfg.run.wandb_project, cfg.run.wandb_mode, run_dir, name, group=cfg.run.run_id,
+                               config=cfg.to_dict()))
+    return sinks[0] if len(sinks) == 1 else FanOut(sinks)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -17,23 +17,42 @@ from typing import Optional
 
 _PR_SET_PDEATHSIG = 1
 
+_forking_pid: Optional[int] = None
+"""In a forked child: the pid of the process that forked it (recorded just before every fork, see below)."""
+
+
+def _remember_forking_process() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+# runs in the parent right before os.fork(), multiprocessing's fork and subprocess's fork with a preexec_fn, so the
+# child's copy of _forking_pid names its parent. Why not "the parent is pid 1, so it died": in a container the
+# peer itself is pid 1, and its helpers would kill themselves at start.
+os.register_at_fork(before=_remember_forking_process)
+
 
 def become_child_process() -> None:
     """First call in a forked helper process (DHT, averager): die with the parent, and do not inherit its SIGTERM
     handler (the parent's handler only sets a stop flag; here it would make the helper ignore a kill)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    die_with_parent()
+    die_with_parent(parent_pid=_forking_pid)
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Make the kernel send ``sig`` to this process when the thread that forked it exits (Linux only)."""
+def die_with_parent(sig: int = signal.SIGKILL, parent_pid: Optional[int] = None) -> None:
+    """Make the kernel send ``sig`` to this process when the thread that forked it exits (Linux only). With
+    ``parent_pid`` (the forking process), also when that parent is already gone, between fork and this call."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    # the parent may have died between fork and prctl: then we were re-parented already
-    if os.getppid() == 1:
+    if parent_died(parent_pid):
         os.kill(os.getpid(), sig)
+
+
+def parent_died(parent_pid: Optional[int]) -> bool:
+    """True if this process's parent is no longer ``parent_pid`` (it was re-parented); False if unknown (None)."""
+    return parent_pid is not None and os.getppid() != parent_pid
 
 
 def subprocesses_die_with_us() -> None:
@@ -43,7 +62,7 @@ def subprocesses_die_with_us() -> None:
         return
 
     async def create_subprocess_exec(*args, **kwargs):
-        kwargs.setdefault("preexec_fn", die_with_parent)
+        kwargs.setdefault("preexec_fn", lambda: die_with_parent(parent_pid=_forking_pid))
         return await original(*args, **kwargs)
 
     create_subprocess_exec._dies_with_parent = True

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from p2p_diloco.config import dump_toml
+from p2p_diloco.errors import first_line, printable
 from p2p_diloco.ops.metrics import read_jsonl
 from p2p_diloco.ops.procs import stop_groups
 
@@ -34,12 +35,13 @@ DEMO_DEFAULTS = {
     "averaging.request_timeout": 3.0,
     "averaging.next_chunk_timeout": 15.0,
     "averaging.roster_ttl": 6.0,  # loopback: a heartbeat every 2 s is cheap, and a dead peer stops counting soon
+    "run.sample_prompt": "Return the ",  # the embedded corpus is Python's docstrings: many of them start like this
 }
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 # keys the swarm sets for each peer, and the swarm flag (if any) to use instead
 SET_BY_SWARM = {"run.rounds": "--rounds", "diloco.inner_steps": "--inner-steps",
                 "run.expected_peers": "--peers", "run.name": None, "run.run_dir": "--run-dir",
-                "network.initial_peers": None, "network.host_maddrs": None}
+                "network.initial_peers": None, "network.host_maddrs": None, "fault.slowdown": "--slowdown"}
 
 
 @dataclass
@@ -47,7 +49,9 @@ class ChaosPlan:
     """What ``--chaos SEED`` does: faults armed in initial peers, and actions taken after a round is committed."""
     faults: dict[str, str] = field(default_factory=dict)              # peer name -> fault.inject
     # (after round, kind, peer); kind: join (process started at launch, joins at that round), join_cold (process
-    # started at that round), leave (SIGTERM), kill_bootstrap (SIGKILL)
+    # started at that round), leave (SIGTERM), kill_bootstrap (SIGKILL), cont (SIGCONT to a peer frozen by a stall
+    # fault), restart (a second process for a peer that stops on its own, started at launch on the same run folder:
+    # it joins at that round, resuming from the checkpoint the first one left; it replaces the first once that exited)
     actions: list[tuple[int, str, str]] = field(default_factory=list)
 
 
@@ -93,14 +97,18 @@ class LocalSwarm:
     peer_args: list[str] = field(default_factory=list)  # extra arguments for every peer (config file, overrides)
     bootstrap: Optional[Child] = None
     peers: dict[str, Child] = field(default_factory=dict)
+    spares: dict[str, Child] = field(default_factory=dict)  # restarts waiting to replace a peer of the same name
     initial_peers: list[str] = field(default_factory=list)
+    # child name ("bootstrap" or a peer's) -> command prefix, e.g. ["ip", "netns", "exec", NS] (ops/netlab.py)
+    exec_prefix: dict[str, list[str]] = field(default_factory=dict)
 
-    def start_bootstrap(self, timeout: float = 60.0) -> list[str]:
+    def start_bootstrap(self, timeout: float = 60.0, extra_args: list[str] = ()) -> list[str]:
         """Start the bootstrap node; return its multiaddrs once it printed them (or raise after ``timeout``)."""
         log_path = self.run_dir / "bootstrap.log"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "p2p_diloco", "bootstrap", f"--network.host_maddrs={LOOPBACK}",
-             f"--network.identity_path={self.run_dir / 'bootstrap.key'}"],
+            [*self.exec_prefix.get("bootstrap", []), sys.executable, "-m", "p2p_diloco", "bootstrap",
+             f"--network.host_maddrs={LOOPBACK}", f"--network.identity_path={self.run_dir / 'bootstrap.key'}",
+             *extra_args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
             start_new_session=True)
         self.bootstrap = Child("bootstrap", proc, log_path)
@@ -133,23 +141,34 @@ class LocalSwarm:
                 maddrs += [m for m in path.read_text().split() if m]
         return maddrs
 
-    def start_peer(self, name: str, extra_args: list[str] = ()) -> Child:
+    def start_peer(self, name: str, extra_args: list[str] = (), spare: bool = False) -> Child:
         run_dir = self.run_dir / name
         run_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.run_dir / f"{name}.log"
         log_file = open(log_path, "a")
-        args = [sys.executable, "-m", "p2p_diloco", "peer", "--initial-peers", ",".join(self.live_maddrs()),
+        args = [*self.exec_prefix.get(name, []), sys.executable, "-m", "p2p_diloco", "peer",
+                "--initial-peers", ",".join(self.live_maddrs()),
                 f"--run.name={name}", f"--run.run_dir={run_dir}", f"--network.host_maddrs={LOOPBACK}",
                 *self.peer_args, *extra_args]
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
         child = Child(name, proc, log_path, run_dir, log_file)
-        self.peers[name] = child
+        (self.spares if spare else self.peers)[name] = child
         return child
+
+    def swap_in_spares(self) -> list[str]:
+        """Spares whose peer has exited take its place; returns their names."""
+        ready = [n for n, c in self.spares.items() if n not in self.peers or self.peers[n].proc.poll() is not None]
+        for name in ready:
+            old = self.peers.get(name)
+            if old is not None and old.log_file is not None:
+                old.log_file.close()
+            self.peers[name] = self.spares.pop(name)
+        return ready
 
     def close(self) -> None:
         """End every process group we started (SIGTERM, then SIGKILL after a grace period)."""
-        children = list(self.peers.values()) + ([self.bootstrap] if self.bootstrap else [])
+        children = list(self.peers.values()) + list(self.spares.values()) + ([self.bootstrap] if self.bootstrap else [])
         stop_groups([child.proc.pid for child in children])
         for child in children:
             try:
@@ -171,9 +190,11 @@ def write_peer_config(run_dir: str | Path, cfg) -> list[str]:
 
 def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_args: list[str],
               timeout: Optional[float] = None, chaos: Optional[int] = None, plan: Optional[ChaosPlan] = None,
-              echo=print) -> int:
+              slowdowns: Optional[list[float]] = None, echo=print, report: bool = False) -> int:
     """Run a whole swarm to completion; write ``run_dir/summary.json``; return 0 if every peer finished cleanly
-    (or was failed on purpose by ``chaos`` or ``plan``) and every round's θ_global hashes agree."""
+    (or was failed on purpose by ``chaos`` or ``plan``) and every round's θ_global hashes agree. ``slowdowns[i]``:
+    ``fault.slowdown`` of peer i (a slower machine; peers past the list run at full speed). ``report``: then print a
+    sample of the final θ_global and write the plots (:func:`report_run`), unless interrupted."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if plan is None:
@@ -183,13 +204,16 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
     table = RoundTable(echo)
     events = EventLog(echo)
     start = time.monotonic()
+    interrupted = False
     try:
         maddrs = swarm.start_bootstrap()
         echo(f"bootstrap node at {maddrs[0]}")
         for i in range(num_peers):
             name = f"peer{i}"
             fault = plan.faults.get(name)
-            swarm.start_peer(name, [f"--fault.inject={fault}"] if fault else [])
+            slow = slowdowns[i] if slowdowns and i < len(slowdowns) else 1.0
+            swarm.start_peer(name, ([f"--fault.inject={fault}"] if fault else [])
+                             + ([f"--fault.slowdown={slow}"] if slow != 1.0 else []))
             if fault:
                 events.add("armed", name, fault)
         # joiners start now (a process needs seconds to import and build its model) and stay out of the run until
@@ -197,6 +221,9 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
         for after_round, kind, name in plan.actions:
             if kind == "join":
                 swarm.start_peer(name, ["--run.expected_peers=1", f"--run.join_after_round={after_round}"])
+            elif kind == "restart":
+                swarm.start_peer(name, ["--run.expected_peers=1", f"--run.join_after_round={after_round}",
+                                        "--fault.inject=none"], spare=True)
         echo(f"{num_peers} peers started; logs and metrics in {run_dir}")
         pending = list(plan.actions)
         while True:
@@ -205,15 +232,18 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
             latest = max(rounds_seen, default=0)
             while pending and pending[0][0] <= latest:
                 _act(swarm, events, *pending.pop(0))
+            for name in swarm.swap_in_spares():
+                events.add("restart", name, "a new process, from its checkpoint")
             events.note_exits(swarm.peers, plan.faults)
-            stalled = {n for n, f in plan.faults.items() if f.startswith("stall:")}  # frozen, never exit
-            if all(c.proc.poll() is not None for n, c in swarm.peers.items() if n not in stalled):
+            stalled = {n for n, f in plan.faults.items() if f.startswith("stall:")} - events.thawed  # never exit
+            if not swarm.spares and all(c.proc.poll() is not None for n, c in swarm.peers.items() if n not in stalled):
                 break  # every peer is done (actions still pending can no longer happen)
             if timeout is not None and time.monotonic() - start > timeout:
                 echo(f"swarm: timed out after {timeout:.0f} s; stopping peers")
                 break
             time.sleep(0.5)  # polling the peers' metrics files to print rounds as they commit
     except KeyboardInterrupt:
+        interrupted = True
         echo("swarm: interrupted; stopping every process")
     finally:
         swarm.close()
@@ -225,7 +255,31 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
     failed = {n: c for n, c in exit_codes.items() if c != 0 and not (c == -signal.SIGKILL and n in plan.faults)}
     echo(f"swarm: {len(summary['rounds'])} rounds in {time.monotonic() - start:.0f} s; summary in "
          f"{run_dir / 'summary.json'}" + (f"; peers that failed: {failed}" if failed else ""))
+    if report and not interrupted and summary["rounds"]:
+        report_run(run_dir, swarm.peers, echo)
     return 0 if not failed and all(_hashes_agree(r) for r in summary["rounds"]) else 1
+
+
+def report_run(run_dir: Path, peers: dict[str, Child], echo) -> None:
+    """What a newcomer wants to see after a run: the text sample the peers logged from the final θ_global
+    (``run.sample_every``), and the plots (when matplotlib is installed). Neither may fail the run."""
+    from p2p_diloco.ops.plot import MISSING_MATPLOTLIB, matplotlib_available, write_plots
+
+    samples = [r for child in peers.values() for r in read_jsonl(child.run_dir / "metrics.jsonl")
+               if r.get("event") == "sample"]
+    if samples:
+        last = max(samples, key=lambda r: r["round"])
+        echo(f"sample from θ_global of round {last['round']} (logged by {last['peer']}; seed 0; more with "
+             f"p2p-diloco generate --run-dir {run_dir} --prompt TEXT):")
+        echo("  " + printable(last["prompt"] + last["text"]).replace("\n", "\n  "))
+    if not matplotlib_available():
+        echo(f"plots: skipped ({MISSING_MATPLOTLIB})")
+        return
+    try:
+        paths = write_plots(run_dir)
+        echo(f"plots: {', '.join(p.name for p in paths)} in {run_dir}")
+    except Exception as e:  # noqa: BLE001
+        echo(f"plots: failed: {first_line(e)}")
 
 
 def _act(swarm: LocalSwarm, events: "EventLog", after_round: int, kind: str, name: str) -> None:
@@ -239,6 +293,12 @@ def _act(swarm: LocalSwarm, events: "EventLog", after_round: int, kind: str, nam
         if child is not None and child.proc.poll() is None:
             child.proc.send_signal(signal.SIGTERM)  # the peer finishes its step, announces it leaves, saves, exits
             events.add("leave", name, "graceful (SIGTERM)")
+    elif kind == "cont":
+        child = swarm.peers.get(name)
+        if child is not None and child.proc.poll() is None:
+            os.killpg(child.proc.pid, signal.SIGCONT)  # the stall froze the peer's whole process group
+            events.thawed.add(name)
+            events.add("cont", name, "thawed (SIGCONT)")
     elif kind == "kill_bootstrap":
         if swarm.bootstrap is not None and swarm.bootstrap.proc.poll() is None:
             os.killpg(swarm.bootstrap.proc.pid, signal.SIGKILL)
@@ -250,6 +310,7 @@ class EventLog:
 
     def __init__(self, echo):
         self.echo, self.start, self.events, self._exited = echo, time.monotonic(), [], set()
+        self.thawed: set[str] = set()  # stalled peers sent SIGCONT: they run (and exit) again
 
     def add(self, kind: str, peer: str, phase: Optional[str]) -> None:
         event = {"time_s": round(time.monotonic() - self.start, 2), "kind": kind, "peer": peer, "phase": phase}

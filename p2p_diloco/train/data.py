@@ -6,8 +6,9 @@ evaluates on the same held-out batches. Two readers implement :class:`TokenBatch
 - :class:`WindowBatches` (offline corpora, local files, non-streamed hub data): the whole token stream is in memory;
   each batch is ``batch_size`` random windows of the training region. The held-out region is the stream's tail
   (offline corpora) or its last documents (files).
-- :class:`StreamBatches` (streamed hub data): documents are shuffled through a buffer, tokenized and packed into
-  consecutive windows. The held-out documents are the stream's first ones and are skipped by training.
+- :class:`StreamBatches` (streamed hub data, and local files with ``data.stream_files``): documents are shuffled
+  through a buffer, tokenized and packed into consecutive windows, ahead of the training loop on a background thread
+  (:mod:`p2p_diloco.train.prefetch`). The held-out documents are the stream's first ones and are skipped by training.
 
 Both resume exactly from :meth:`TokenBatches.state_dict`.
 """
@@ -15,8 +16,10 @@ Both resume exactly from :meth:`TokenBatches.state_dict`.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -35,8 +38,14 @@ LOCAL_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet":
 OFFLINE_CORPORA = {"embedded": embedded_documents, "stdlib": stdlib_documents}
 """``data.dataset`` names of the corpora built from the Python installation (train/corpus.py): name -> documents."""
 
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+"""Compression suffixes ``datasets`` decompresses on the fly (hub corpora such as allenai/c4 ship ``.json.gz``)."""
+
 STREAM_SHUFFLE_BUFFER = 10_000
 """Documents held in the shuffle buffer of a streamed dataset (memory: this many documents)."""
+
+ENCODE_CHUNK = 64
+"""Documents of a stream tokenized in one go (split over ``data.tokenizer_threads``)."""
 
 
 # ---------------------------------------------------------------------------------------------- batch readers
@@ -70,6 +79,9 @@ class TokenBatches:
 
     def load_state_dict(self, state: dict) -> None:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the reader holds in the background (a prefetch thread); it can still be read after."""
 
 
 class WindowBatches(TokenBatches):
@@ -112,10 +124,13 @@ class StreamBatches(TokenBatches):
     """
 
     def __init__(self, dataset, text_field: str, tokenizer: Tokenizer, seq_len: int, batch_size: int, seed: int,
-                 held_out: frozenset[bytes] = frozenset(), buffer_size: int = STREAM_SHUFFLE_BUFFER):
+                 held_out: frozenset[bytes] = frozenset(), buffer_size: int = STREAM_SHUFFLE_BUFFER,
+                 tokenizer_threads: int = 1):
         super().__init__(seq_len, batch_size)
         self.dataset, self.text_field, self.tokenizer = dataset, text_field, tokenizer
         self.seed, self.held_out, self.buffer_size = seed, held_out, buffer_size
+        self.tokenizer_threads = tokenizer_threads
+        self._pool: Optional[ThreadPoolExecutor] = None
         self._position = (0, 0, 0)  # (epoch, document index, token offset) of the next unused token
         self._current: Optional[list] = None  # [epoch, index, tokens, offset] of a partly used document
         self._documents: Optional[Iterator[tuple[int, int, np.ndarray]]] = None
@@ -166,19 +181,45 @@ class StreamBatches(TokenBatches):
         return [epoch, index, tokens, 0]
 
     def _read(self, epoch: int, skip: int) -> Iterator[tuple[int, int, np.ndarray]]:
-        """(epoch, index in epoch, tokens) of every non-empty training document, from document ``skip`` on."""
+        """(epoch, index in epoch, tokens) of every non-empty training document, from document ``skip`` on.
+
+        Documents are tokenized ``ENCODE_CHUNK`` at a time, split over ``tokenizer_threads`` threads (the Rust
+        tokenizer releases the GIL, so they run on as many cores); the order is kept."""
+        texts = self._texts(epoch, skip)
+        while chunk := list(itertools.islice(texts, ENCODE_CHUNK)):
+            for (epoch, index, _), tokens in zip(chunk, self._encode([text for _, _, text in chunk])):
+                yield epoch, index, tokens
+
+    def _texts(self, epoch: int, skip: int) -> Iterator[tuple[int, int, str]]:
+        """(epoch, index in epoch, text) of every non-empty training document, from document ``skip`` on."""
         while True:
             stream = self.dataset.shuffle(seed=self.seed, buffer_size=self.buffer_size)
             stream.set_epoch(epoch)  # a new shuffle every epoch
             found = False
-            for index, example in enumerate(stream.skip(skip) if skip else stream, start=skip):
+            # islice, not IterableDataset.skip: a skipped stream of several shards does not keep the shuffle of
+            # set_epoch (datasets 5.2: epochs >= 1 resumed in another order)
+            for index, example in enumerate(itertools.islice(stream, skip, None), start=skip):
                 text = _text_of(example, self.text_field)
                 if text and _doc_hash(text) not in self.held_out:
                     found = True
-                    yield epoch, index, self.tokenizer.encode_documents([text])
+                    yield epoch, index, text
             if not found and skip == 0:
                 raise ConfigError("data.dataset: the stream has no training documents besides the held-out ones")
             epoch, skip = epoch + 1, 0
+
+    def _encode(self, texts: list[str]) -> list[np.ndarray]:
+        if self.tokenizer_threads == 1:
+            return self.tokenizer.encode_each(texts)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.tokenizer_threads, thread_name_prefix="tokenize")
+        step = -(-len(texts) // self.tokenizer_threads)
+        parts = self._pool.map(self.tokenizer.encode_each, [texts[i:i + step] for i in range(0, len(texts), step)])
+        return [tokens for part in parts for tokens in part]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
 
 def _check_kind(state: dict, kind: str) -> None:
@@ -207,12 +248,14 @@ class Data:
     tokenizer: Tokenizer
 
 
-def build_data(data_cfg: DataConfig, seq_len: int, batch_size: int, peer_name: str) -> Data:
-    """Open ``data_cfg.dataset`` and return ``peer_name``'s reader plus the held-out batches.
+def build_data(data_cfg: DataConfig, seq_len: int, batch_size: int, peer_name: str,
+               init_from: Optional[str] = None) -> Data:
+    """Open ``data_cfg.dataset`` and return ``peer_name``'s reader plus the held-out batches. ``init_from`` is
+    ``model.init_from`` (its tokenizer is the one ``data.tokenizer = 'auto'`` means).
 
     Raises ConfigError naming the data.* key at fault (missing file, missing column, too little data).
     """
-    tokenizer = load_tokenizer(data_cfg.tokenizer)
+    tokenizer = load_tokenizer(data_cfg.tokenizer, init_from)
     seed = peer_seed(data_cfg.seed, peer_name)
     source = _open_source(data_cfg)
     if data_cfg.dataset in OFFLINE_CORPORA:
@@ -232,7 +275,7 @@ def _open_source(cfg: DataConfig):
         return None
     path = Path(cfg.dataset).expanduser()
     if path.exists():
-        return _load_local(path, cfg.dataset)
+        return _load_local(path, cfg.dataset, streaming=cfg.stream_files)
     if _looks_like_path(cfg.dataset):
         raise ConfigError(f"data.dataset: no such file or folder '{cfg.dataset}'")
     import datasets
@@ -246,22 +289,32 @@ def _open_source(cfg: DataConfig):
 def _looks_like_path(name: str) -> bool:
     # hub names are "owner/dataset" (one slash, no leading dot or slash), so a lone "/" cannot mean a path
     return (name.startswith(("/", ".", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
-            or Path(name).suffix in LOCAL_BUILDERS)
+            or _file_kind(Path(name)) in LOCAL_BUILDERS)
 
 
-def _load_local(path: Path, name: str):
-    """A local file, or every supported file in a folder (recursively, sorted), loaded whole (not streamed)."""
+def _file_kind(path: Path) -> str:
+    """The extension that picks the builder, under a compression suffix: 'a.json.gz' -> '.json'."""
+    suffixes = path.suffixes
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
+
+
+def _load_local(path: Path, name: str, streaming: bool = False):
+    """A local file, or every supported file in a folder (recursively, sorted): loaded whole, or (``streaming``)
+    as an ``IterableDataset`` read by the same code as a streamed hub dataset."""
     files = [path] if path.is_file() else sorted(
-        p for p in path.rglob("*") if p.is_file() and p.suffix in LOCAL_BUILDERS
+        p for p in path.rglob("*") if p.is_file() and _file_kind(p) in LOCAL_BUILDERS
         and not any(part.startswith(".") for part in p.relative_to(path).parts))
-    builders = {LOCAL_BUILDERS.get(p.suffix) for p in files}
+    builders = {LOCAL_BUILDERS.get(_file_kind(p)) for p in files}
     if not files or None in builders:
         raise ConfigError(f"data.dataset: '{name}' has no {'/'.join(LOCAL_BUILDERS)} file")
     if len(builders) > 1:
         raise ConfigError(f"data.dataset: '{name}' mixes file kinds ({', '.join(sorted(builders))}); keep one")
     import datasets
 
-    return datasets.load_dataset(builders.pop(), data_files=[str(p) for p in files], split="train")
+    return datasets.load_dataset(builders.pop(), data_files=[str(p) for p in files], split="train",
+                                 streaming=streaming)
 
 
 def _is_streaming(source) -> bool:
@@ -328,5 +381,10 @@ def _stream_data(dataset, cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, b
                           f"needed for held-out evaluation")
     tokens = torch.from_numpy(np.concatenate(parts)[:needed]).long()
     evals = list(tokens.view(cfg.eval_batches, batch_size, seq_len).unbind(0))
-    reader = StreamBatches(dataset, cfg.text_field, tokenizer, seq_len, batch_size, seed, frozenset(held_out))
+    reader = StreamBatches(dataset, cfg.text_field, tokenizer, seq_len, batch_size, seed, frozenset(held_out),
+                           tokenizer_threads=cfg.tokenizer_threads)
+    if cfg.prefetch_batches:
+        from p2p_diloco.train.prefetch import Prefetcher  # imports this module
+
+        reader = Prefetcher(reader, cfg.prefetch_batches)
     return Data(reader, evals, tokenizer.vocab_size, tokenizer)

@@ -2,6 +2,10 @@
 
 They change together, under one lock, and the digests are refreshed with every change, so a donor serving its state
 on another thread always serves a consistent (round, tensors, digest). Imports torch only.
+
+Alongside, not digested: the names of the peers whose contributions made each of the last ``HISTORY`` rounds, served
+to joiners with the state, so that a peer that fetches the run's state can tell whether its own pseudo-gradient is
+already in it (then its local work must not be contributed again).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import torch
 
 from p2p_diloco.train.outer import OuterOptimizer, state_digests
 
+HISTORY = 16  # rounds whose members are remembered
+
 
 class GlobalState:
     """θ_global (fp32, CPU), its outer optimizer and the number of rounds committed (the version of θ_global)."""
@@ -21,6 +27,7 @@ class GlobalState:
         self.params = params
         self.outer = outer
         self.round = 0
+        self.members: dict[int, list[str]] = {}  # round → names of the peers averaged into it (the last HISTORY)
         self.lock = threading.Lock()
         self.params_digest = self.digest = ""
         self._refresh()
@@ -33,29 +40,46 @@ class GlobalState:
         """θ_global followed by the outer optimizer's state tensors (what joiners download)."""
         return [*self.params, *self.outer.state_tensors()]
 
-    def apply(self, averaged: Sequence[torch.Tensor], num_contributions: int) -> None:
-        """Commit a round: the outer step with the averaged pseudo-gradient, and the round number moves on."""
+    def apply(self, averaged: Sequence[torch.Tensor], num_contributions: int, members: Sequence[str] = ()) -> None:
+        """Commit a round: the outer step with the averaged pseudo-gradient of ``members`` (k = ``num_contributions``
+        contributions), and the round number moves on."""
         with self.lock:
             self.outer.step(self.params, averaged, num_contributions=num_contributions)
             self.round += 1
+            self._remember(self.round, members)
             self._refresh()
 
+    def _remember(self, round_: int, members: Sequence[str]) -> None:
+        self.members[round_] = list(members)
+        for old in [r for r in self.members if r <= round_ - HISTORY]:
+            del self.members[old]
+
+    def included(self, name: str, round_: int) -> bool:
+        """Whether ``name``'s contribution is in the average that made round ``round_`` (False if unknown)."""
+        return name in self.members.get(round_, ())
+
     @torch.no_grad()
-    def load(self, round_: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Take a downloaded state (θ_global then the outer state, in :meth:`tensors` order)."""
+    def load(self, round_: int, tensors: Sequence[torch.Tensor], members: Sequence = ()) -> None:
+        """Take a downloaded state (θ_global then the outer state, in :meth:`tensors` order) and the donor's
+        ``members`` history (``[(round, names), ...]``, as :meth:`member_history` gives it)."""
         with self.lock:
             for mine, theirs in zip(self.tensors(), tensors, strict=True):
                 mine.copy_(theirs)
             self.round = round_
+            self.members = _parse_members(members)
             self._refresh()
 
-    def snapshot(self) -> tuple[int, str, list[torch.Tensor]]:
-        """(round, digest, copies of :meth:`tensors`), consistent with each other."""
+    def member_history(self) -> list:
+        return [[r, list(names)] for r, names in sorted(self.members.items())]
+
+    def snapshot(self) -> tuple[int, str, list[torch.Tensor], list]:
+        """(round, digest, copies of :meth:`tensors`, member history), consistent with each other."""
         with self.lock:
-            return self.round, self.digest, [t.clone() for t in self.tensors()]
+            return self.round, self.digest, [t.clone() for t in self.tensors()], self.member_history()
 
     def state_dict(self) -> dict:
-        return {"round": self.round, "global_params": self.params, "outer": self.outer.state_dict()}
+        return {"round": self.round, "global_params": self.params, "outer": self.outer.state_dict(),
+                "members": self.member_history()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -64,4 +88,14 @@ class GlobalState:
                 p.copy_(s)
             self.outer.load_state_dict(state["outer"])
             self.round = int(state["round"])
+            self.members = _parse_members(state.get("members"))
             self._refresh()
+
+
+def _parse_members(history) -> dict[int, list[str]]:
+    """``[(round, names), ...]`` (from a donor or a checkpoint) → {round: names}; {} if malformed (it only decides
+    whether late work is dropped, never what θ_global is)."""
+    try:
+        return {int(r): [str(n) for n in names] for r, names in history or ()}
+    except (TypeError, ValueError):
+        return {}

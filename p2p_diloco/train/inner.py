@@ -17,8 +17,9 @@ import torch
 from p2p_diloco.config import ConfigError, InnerConfig
 
 
-def lr_at(step: int, cfg: InnerConfig, total_steps: Optional[int]) -> float:
-    """Learning rate of inner step ``step`` (0-based, counted over the whole run, not per round).
+def lr_at(step: float, cfg: InnerConfig, total_steps: Optional[int]) -> float:
+    """Learning rate of inner step ``step`` (0-based, counted over the whole run, not per round; a fractional step
+    under ``inner.lr_clock = "rounds"``, see train/dylu.py).
 
     Linear warm-up reaching ``cfg.lr`` at step ``warmup_steps - 1``, then cosine decay to ``cfg.lr *
     cfg.min_lr_ratio`` at step ``total_steps`` (warm-up included) and constant beyond it; constant ``cfg.lr``
@@ -54,19 +55,25 @@ class InnerTrainer:
     """AdamW on ``model`` (whose parameters must already be on ``device``), stepping the lr schedule.
 
     Weight decay applies to matrices and embeddings only; norm gains (1-D tensors) are not decayed (nanoGPT's rule).
-    bf16 autocast on CUDA, fp32 on the CPU. ``step_count`` counts inner steps done and drives the schedule.
+    bf16 autocast and fused AdamW on CUDA; fp32 and torch's default AdamW on the CPU. ``step_count`` counts inner
+    steps done and drives the schedule. ``forward`` is the module that computes the loss, when it wraps ``model``
+    (DistributedDataParallel on a multi-GPU peer: then gradients are averaged over the ranks at the last
+    micro-batch of each step).
     """
 
     def __init__(self, model: torch.nn.Module, cfg: InnerConfig, device: torch.device,
-                 total_steps: Optional[int]):
+                 total_steps: Optional[int], forward: Optional[torch.nn.Module] = None):
         self.model, self.cfg, self.device, self.total_steps = model, cfg, device, total_steps
+        self.forward = forward if forward is not None else model
         self.step_count = 0
+        # fused: one kernel for the whole update on CUDA; None keeps torch's default elsewhere
         self.optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                                           betas=(cfg.beta1, cfg.beta2))
+                                           betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda" or None)
 
-    def step(self, next_batch: Callable[[], torch.Tensor]) -> StepResult:
-        """One inner step over ``cfg.grad_accum`` micro-batches from ``next_batch`` (LongTensor [B, T])."""
-        lr = lr_at(self.step_count, self.cfg, self.total_steps)
+    def step(self, next_batch: Callable[[], torch.Tensor], position: Optional[float] = None) -> StepResult:
+        """One inner step over ``cfg.grad_accum`` micro-batches from ``next_batch`` (LongTensor [B, T]). The lr is
+        that of schedule step ``position`` if given (the run's progress), else of ``step_count`` (our own steps)."""
+        lr = lr_at(self.step_count if position is None else position, self.cfg, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
@@ -85,15 +92,22 @@ class InnerTrainer:
     def _accumulate(self, next_batch: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
         total = torch.zeros((), device=self.device)
         tokens = 0
-        for _ in range(self.cfg.grad_accum):
+        for i in range(self.cfg.grad_accum):
             x = next_batch().to(self.device, non_blocking=True)
-            with autocast(self.device):
-                # labels = inputs: the model shifts them internally for next-token prediction
-                loss = self.model(input_ids=x, labels=x).loss / self.cfg.grad_accum
-            loss.backward()
+            with self._no_sync(last=i == self.cfg.grad_accum - 1):
+                with autocast(self.device):
+                    # labels = inputs: the model shifts them internally for next-token prediction
+                    loss = self.forward(input_ids=x, labels=x, use_cache=False).loss / self.cfg.grad_accum
+                loss.backward()
             total += loss.detach().float()
             tokens += x.numel()
         return total, tokens
+
+    def _no_sync(self, last: bool):
+        """DDP averages gradients at every backward unless told not to: only the last micro-batch's should."""
+        if last or not hasattr(self.forward, "no_sync"):
+            return contextlib.nullcontext()
+        return self.forward.no_sync()
 
     def state_dict(self) -> dict:
         """AdamW moments and ``step_count`` (the parameters belong to the caller's checkpoint)."""
@@ -129,17 +143,23 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.
         for x in batches:
             x = x.to(device, non_blocking=True)
             with autocast(device):
-                total += model(input_ids=x, labels=x).loss.float()
+                total += model(input_ids=x, labels=x, use_cache=False).loss.float()
         return total.item() / len(batches)  # note: one sync for the whole evaluation
     finally:
         model.train(was_training)
 
 
-def resolve_device(name: str) -> torch.device:
-    """RunConfig.device -> torch.device: 'auto' is cuda when available, else cpu. Raises ConfigError naming
-    run.device for an unknown name or a CUDA device that is not there."""
+def resolve_device(name: str, local_rank: Optional[int] = None) -> torch.device:
+    """RunConfig.device -> torch.device: 'auto' is cuda when available, else cpu. ``local_rank`` (a rank of a
+    multi-GPU peer) picks cuda:local_rank for 'auto' and 'cuda'. Raises ConfigError naming run.device for an unknown
+    name or a CUDA device that is not there."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if local_rank is not None and name == "cuda":
+        name = f"cuda:{local_rank}"
+    elif local_rank is not None and name.startswith("cuda:"):
+        raise ConfigError(f"run.device: {name!r} names one GPU, but this peer runs one process per GPU; use 'auto' "
+                          f"or 'cuda' (rank r uses cuda:LOCAL_RANK)")
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
@@ -149,3 +169,57 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ConfigError(f"run.device: {name!r} but only {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+class RoundSteps:
+    """One round's inner steps as a peer runs them: losses, tokens, each step's time (compute, and the sleep of
+    ``fault.slowdown``), and the progress bar (None: none)."""
+
+    def __init__(self, bar):
+        self.bar, self.losses, self.tokens, self.times = bar, [], 0, []
+
+    @property
+    def steps(self) -> int:
+        return len(self.losses)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.times)
+
+    @property
+    def last_step_s(self) -> float:
+        return self.times[-1] if self.times else 0.0
+
+    @property
+    def mean_loss(self) -> float:
+        return sum(self.losses) / len(self.losses) if self.losses else float("nan")
+
+    def add(self, loss: float, tokens: int, seconds: float) -> None:
+        self.losses.append(loss)
+        self.tokens += tokens
+        self.times.append(seconds)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+    def probe_rate(self) -> Optional[tuple[int, int, float]]:
+        """(steps, tokens, seconds) of the steps so far without the first (it carries one-off start-up costs)."""
+        if self.steps < 2:
+            return (self.steps, self.tokens, self.seconds) if self.steps else None
+        return self.steps - 1, self.tokens * (self.steps - 1) // self.steps, sum(self.times[1:])
+
+    def plan(self, steps: int) -> None:
+        if self.bar is not None:
+            self.bar.total = steps
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)

@@ -1,8 +1,11 @@
-"""Build the causal language model every peer trains, from a preset or a local Hugging Face config. Never downloads.
+"""Build the causal language model every peer trains: from a preset or a local Hugging Face config (never
+downloads), or from a pretrained checkpoint's weights (``model.init_from``: a local folder, or a hub name downloaded
+once into the Hugging Face cache).
 
 Every peer must start from bit-identical θ_global, so :func:`build_model` is a pure function of
 ``(cfg, vocab_size, seed)``: it seeds a forked torch RNG, builds the model in fp32 on the CPU, and leaves the
-caller's global RNG state untouched. :func:`model_fingerprint` lets peers check that they train the same model.
+caller's global RNG state untouched; a checkpoint is read as fp32 whatever its stored dtype (an exact conversion
+from bf16 or fp16). :func:`model_fingerprint` lets peers check that they train the same model.
 """
 
 from __future__ import annotations
@@ -95,14 +98,16 @@ def _config_from_json(path: Path, name: str) -> PretrainedConfig:
         raise ConfigError(f"model.name: cannot read a Hugging Face config from '{name}': {first_line(e)}") from None
 
 
-def _check_hf_config(model_config: PretrainedConfig, cfg: ModelConfig, vocab_size: int) -> None:
+def _check_hf_config(model_config: PretrainedConfig, cfg: ModelConfig, vocab_size: int,
+                     key: str = "model.name") -> None:
+    source = cfg.init_from if key == "model.init_from" else cfg.name
     model_vocab = getattr(model_config, "vocab_size", None)
     if model_vocab is not None and model_vocab < vocab_size:
-        raise ConfigError(f"model.name: '{cfg.name}' has vocab_size {model_vocab}, smaller than the tokenizer's "
+        raise ConfigError(f"{key}: '{source}' has vocab_size {model_vocab}, smaller than the tokenizer's "
                           f"{vocab_size} (see data.tokenizer)")
     max_pos = getattr(model_config, "max_position_embeddings", None)
     if max_pos is not None and max_pos < cfg.seq_len:
-        raise ConfigError(f"model.name: '{cfg.name}' has max_position_embeddings {max_pos} < model.seq_len "
+        raise ConfigError(f"{key}: '{source}' has max_position_embeddings {max_pos} < model.seq_len "
                           f"{cfg.seq_len}")
 
 
@@ -117,13 +122,31 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> PreTrainedModel
 
     ``vocab_size`` is the tokenizer's size (presets use it as is; HF configs must be at least as large).
     The global torch RNG state is the same after the call as before it. Raises ConfigError naming model.name.
+    With ``cfg.init_from`` set, the checkpoint's weights instead (:func:`load_pretrained`); ``seed`` is unused.
     """
+    if cfg.init_from is not None:
+        return load_pretrained(cfg, vocab_size)
     model_config = load_model_config(cfg, vocab_size)
     # fork_rng: the result must not depend on RNG draws made by other code, nor disturb them
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa",
                                                  **{_dtype_kwarg(): torch.float32})
+    return model
+
+
+def load_pretrained(cfg: ModelConfig, vocab_size: int) -> PreTrainedModel:
+    """The causal LM saved at ``cfg.init_from`` (a local folder, or a hub name: downloaded once into the Hugging Face
+    cache; with ``HF_HUB_OFFLINE=1`` only the cache is read), in fp32 on the CPU, with SDPA attention.
+
+    Raises ConfigError naming model.init_from when it cannot be loaded, when its vocabulary is smaller than the
+    tokenizer's ``vocab_size``, or when it cannot hold ``cfg.seq_len`` positions."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(cfg.init_from, attn_implementation="sdpa",
+                                                     **{_dtype_kwarg(): torch.float32})
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.init_from: cannot load '{cfg.init_from}': {first_line(e)}") from None
+    _check_hf_config(model.config, cfg, vocab_size, key="model.init_from")
     return model
 
 

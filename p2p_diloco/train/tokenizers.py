@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import numpy as np
 
@@ -20,6 +20,8 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
     def encode_documents(self, texts: list[str]) -> np.ndarray: ...
+
+    def encode_each(self, texts: list[str]) -> list[np.ndarray]: ...
 
 
 class ByteTokenizer:
@@ -40,6 +42,10 @@ class ByteTokenizer:
         """All documents, each followed by the separator, as one int32 array (vectorized: no per-byte loop)."""
         data = "".join(t + "\n" for t in texts).encode("utf-8")
         return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+    def encode_each(self, texts: list[str]) -> list[np.ndarray]:
+        """Each document followed by the separator, as one int32 array per document."""
+        return [self.encode_documents([t]) for t in texts]
 
 
 class HFTokenizer:
@@ -64,15 +70,30 @@ class HFTokenizer:
     def encode_documents(self, texts: list[str]) -> np.ndarray:
         if not texts:
             return np.zeros(0, dtype=np.int32)
-        # one batched call: fast tokenizers encode the batch in parallel in Rust
+        return np.concatenate(self.encode_each(texts))
+
+    def encode_each(self, texts: list[str]) -> list[np.ndarray]:
+        if not texts:
+            return []
+        # one batched call (in Rust, without the GIL; on several cores if TOKENIZERS_PARALLELISM allows it)
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         sep = self.doc_separator
-        return np.fromiter((t for doc in ids for t in (*doc, *sep)), dtype=np.int32)
+        return [np.asarray(doc + sep, dtype=np.int32) for doc in ids]
 
 
-def load_tokenizer(name: str) -> Tokenizer:
+def tokenizer_source(name: str, init_from: Optional[str] = None) -> str:
+    """What ``data.tokenizer`` names once 'auto' is resolved: ``model.init_from`` (the checkpoint's own tokenizer)
+    when that is set, else 'byte'; any other name as is."""
+    if name != "auto":
+        return name
+    return init_from if init_from is not None else "byte"
+
+
+def load_tokenizer(name: str, init_from: Optional[str] = None) -> Tokenizer:
     """'byte' -> :class:`ByteTokenizer`; otherwise a transformers tokenizer by local path (offline) or hub name
-    (online only). Raises ConfigError naming data.tokenizer when it cannot be loaded."""
+    (downloaded once into the Hugging Face cache; with ``HF_HUB_OFFLINE=1`` only the cache is read). 'auto' is
+    resolved by :func:`tokenizer_source`. Raises ConfigError naming data.tokenizer when it cannot be loaded."""
+    name = tokenizer_source(name, init_from)
     if name == "byte":
         return ByteTokenizer()
     from transformers import AutoTokenizer  # deferred: importing transformers costs ~1 s

@@ -1,0 +1,73 @@
+"""DyLU (pure): each peer's inner steps from the measured speeds of the live peers; the lr schedule's clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from p2p_diloco.train.dylu import PaceMeter, RoundPlan, local_steps, plan_round, schedule_position
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_eq6_the_fastest_runs_h_the_others_their_share_rounded_down():
+    speeds = {"a100": 10.0, "4090": 5.0, "3060": 2.5, "laptop": 0.9}
+    steps = {name: local_steps(v, speeds.values(), 500, 1) for name, v in speeds.items()}
+    assert steps == {"a100": 500, "4090": 250, "3060": 125, "laptop": 45}
+    # rounds end together: steps / speed is the same for every peer, up to one step
+    assert max(s / speeds[n] for n, s in steps.items()) - min(s / speeds[n] for n, s in steps.items()) < 1.2
+
+
+def test_equal_peers_run_h_and_a_peer_never_runs_more_than_h():
+    assert local_steps(3.0, [3.0, 3.0], 50, 1) == 50
+    assert local_steps(9.0, [3.0], 50, 1) == 50  # we are the fastest: others' speeds never raise our H_i
+
+
+def test_min_inner_steps_bounds_a_peer_that_publishes_an_absurd_speed():
+    assert local_steps(2.0, [1e12], 500, 25) == 25
+    assert local_steps(2.0, [1e12], 500, 1) == 1
+
+
+def test_unmeasured_or_broken_speeds_are_ignored():
+    assert local_steps(2.0, [0.0, -1.0, math.nan, math.inf], 40, 1) == 40  # nobody else measured yet
+    assert local_steps(0.0, [5.0], 40, 1) == 40  # our own speed unknown: plain H (the probe comes first)
+    assert plan_round(None, [5.0], 40, 1, dylu=True, round_start=0.0) == RoundPlan(40)
+    assert plan_round(1.0, [5.0], 40, 1, dylu=False, round_start=0.0) == RoundPlan(40)
+
+
+def test_a_round_has_the_fastest_peers_time_budget_so_this_rounds_speed_changes_steps_not_the_end():
+    fast = plan_round(5.0, [1.0], 40, 2, dylu=True, round_start=100.0)
+    slow = plan_round(1.0, [5.0], 40, 2, dylu=True, round_start=100.0)
+    assert (fast.steps, slow.steps) == (40, 8) and fast.deadline == slow.deadline == 108.0  # H / v_max = 8 s
+    # the slow peer at its usual 1 s per step: its 8th step ends at the deadline, no 9th
+    assert slow.more(7, 107.0, 1.0) and not slow.more(8, 108.0, 1.0)
+    # slower than usual this round (2 s per step): it stops after 4 steps instead of making the others wait, and
+    # never starts a step that would end past the deadline
+    assert slow.more(3, 106.0, 2.0) and not slow.more(4, 106.5, 2.0)
+    # faster than usual: it uses the time (bounded by 2 H whatever the clock says)
+    assert slow.more(12, 106.0, 0.5) and not slow.more(80, 100.5, 0.01)
+    assert slow.more(3, 500.0, 1.0) and not slow.more(4, 500.0, 1.0)  # at least half its plan, even late
+    # a plain round (no DyLU): exactly its steps, whatever the clock
+    assert RoundPlan(3).more(2, 1e9, 1.0) and not RoundPlan(3).more(3, 0.0, 0.0)
+
+
+def test_pace_is_the_median_of_recent_rounds_so_one_frozen_round_does_not_dictate():
+    pace = PaceMeter(window=3)
+    assert not pace.measured and pace.steps_per_s == 0.0
+    pace.add(10, 1000, 1.0)
+    pace.add(10, 1000, 60.0)  # a round with a long freeze inside
+    pace.add(10, 1000, 1.1)
+    assert pace.steps_per_s == pytest.approx(10 / 1.1)
+    assert pace.tokens_per_s == pytest.approx(1000 / 1.1)
+    pace.add(0, 0, 0.0)  # an interrupted round with no step: ignored
+    for _ in range(3):
+        pace.add(5, 500, 1.0)  # the machine got slower: the window follows within its length
+    assert pace.steps_per_s == 5.0
+
+
+def test_the_rounds_clock_puts_every_peer_at_the_same_point_of_the_schedule():
+    h = 50
+    assert schedule_position(3, 0, 50, h) == 150
+    assert schedule_position(3, 25, 50, h) == schedule_position(3, 5, 10, h) == 175  # half of its round, any H_i
+    assert [schedule_position(0, k, h, h) for k in range(3)] == [0, 1, 2]  # H_i = H: the peer's own step count

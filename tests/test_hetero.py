@@ -1,0 +1,60 @@
+"""Mixed speeds and late peers in one swarm of real processes: DyLU gives a slower peer fewer inner steps and rounds
+still commit on every peer with equal θ_global; a peer frozen (SIGSTOP) for several rounds and one restarted from an
+older checkpoint both rebase their local work onto the run's θ_global, contribute it, and agree on every round."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from p2p_diloco.config import load_config
+from p2p_diloco.ops.metrics import read_jsonl
+from p2p_diloco.ops.swarm import DEMO_DEFAULTS, ChaosPlan, run_swarm, write_peer_config
+
+ROUNDS = 7
+
+
+@pytest.mark.timeout(420)
+def test_dylu_and_late_peers_rebase_while_every_round_agrees(tmp_path, process_tag):
+    cfg = load_config(defaults={**DEMO_DEFAULTS, "inner.batch_size": 4, "model.seq_len": 64, "data.eval_batches": 2,
+                                "averaging.matchmaking_time": 5.0, "averaging.next_chunk_timeout": 10.0,
+                                "averaging.roster_ttl": 6.0, "diloco.max_staleness": 10})
+    # halfway through round 2, peer2 freezes (SIGSTOP) and peer3 stops gracefully (its checkpoint holds half a
+    # round of work on round 1's θ_global); after round 4 peer2 is thawed, and a second process for peer3, started
+    # at launch, resumes from that checkpoint (a restart)
+    plan = ChaosPlan(faults={"peer2": "stall:inner:2", "peer3": "term:inner:2"},
+                     actions=[(4, "restart", "peer3"), (4, "cont", "peer2")])
+    rc = run_swarm(4, ROUNDS, 20, str(tmp_path), write_peer_config(tmp_path, cfg), plan=plan, slowdowns=[1, 3],
+                   timeout=360, echo=lambda s: None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert rc == 0, _diagnose(tmp_path, summary)
+    assert [r["round"] for r in summary["rounds"]] == list(range(1, ROUNDS + 1))
+    for r in summary["rounds"]:
+        assert len(set(r["global_params_sha256"].values())) == 1, f"round {r['round']} differs: {r}"
+
+    rounds = {name: _rounds(tmp_path, name) for name in ("peer0", "peer1", "peer2", "peer3")}
+    # DyLU: the 3x slower peer runs fewer inner steps, and both commit every round until the late peers come back
+    # (then a group may close before the slow peer arrives: it rebases and rejoins like them)
+    assert all(n in rounds["peer0"] and n in rounds["peer1"] for n in range(1, 5)), (rounds["peer0"], rounds["peer1"])
+    # (over those rounds together: on a loaded machine one round's plan may end both at the first speed probe)
+    steps = {name: [rounds[name][n]["train/inner_steps"] for n in range(1, 5)] for name in ("peer0", "peer1")}
+    assert sum(steps["peer1"]) < 0.7 * sum(steps["peer0"]), f"inner steps per round (fast, slow): {steps}"
+    # the frozen and the restarted peer kept their work: rebased, then contributed it and committed with the run
+    for name, work_round in (("peer2", 1), ("peer3", 1)):
+        rebases = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if r.get("event") == "rebase"]
+        assert rebases and rebases[0]["work_round"] == work_round and rebases[0]["staleness"] >= 2, (name, rebases)
+        after = [n for n in rounds[name] if n > rebases[0]["round"]]
+        assert after, f"{name} never committed after rebasing"
+        assert name in rounds[name][min(after)]["outer/peers"]  # its rebased work is in that average
+    assert "resumed at round 1" in (tmp_path / "peer3.log").read_text()
+
+
+def _rounds(tmp_path, name):
+    return {r["round"]: r for r in read_jsonl(tmp_path / name / "metrics.jsonl")
+            if r.get("event") == "round" and r["committed"]}
+
+
+def _diagnose(tmp_path, summary) -> str:
+    logs = {p.name: p.read_text()[-2000:] for p in sorted(tmp_path.glob("*.log"))}
+    return json.dumps(summary.get("events"), indent=1) + "\n" + "\n".join(f"== {k}\n{v}" for k, v in logs.items())

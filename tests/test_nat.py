@@ -1,0 +1,192 @@
+"""Home peers behind NAT, in an emulated internet (p2p_diloco/ops/netlab.py): real peer processes in network
+namespaces; each home sits behind its own masquerading router (no inbound connections) on a 100/20 Mbit/s link;
+the bootstrap node is the run's relay. Skipped only where namespaces or nftables are unavailable."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from p2p_diloco.config import load_config
+from p2p_diloco.ops.faults import HOLD_FILE
+from p2p_diloco.ops.metrics import read_jsonl
+from p2p_diloco.ops.netlab import Internet, unavailable_reason
+from p2p_diloco.ops.swarm import DEMO_DEFAULTS, LocalSwarm, collect_rounds, write_peer_config
+
+REASON = unavailable_reason(nat=True)
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"emulated internet unavailable: {REASON}")
+
+SMALL = {"inner.batch_size": 4, "model.seq_len": 32, "data.eval_batches": 1, "run.eval_every": 0,
+         "averaging.matchmaking_time": 4.0, "averaging.request_timeout": 2.0, "averaging.next_chunk_timeout": 6.0,
+         "averaging.roster_ttl": 6.0}
+LISTEN = "--network.host_maddrs=/ip4/0.0.0.0/tcp/31337"
+
+
+class LabSwarm:
+    """A bootstrap node and peers, each in its own host of an emulated internet."""
+
+    def __init__(self, tmp_path: Path, net: Internet, rounds: int, expected_peers: int, **overrides):
+        cfg = load_config(defaults={**DEMO_DEFAULTS, **SMALL, **overrides})
+        self.net, self.run_dir = net, tmp_path
+        args = [f"--run.rounds={rounds}", "--diloco.inner_steps=10", f"--run.expected_peers={expected_peers}",
+                *write_peer_config(tmp_path, cfg)]
+        self.swarm = LocalSwarm(tmp_path, peer_args=args)
+        self.initial_peer = ""
+
+    def start_bootstrap(self, *args: str) -> None:
+        host = self.net.add_public("boot")
+        self.swarm.exec_prefix["bootstrap"] = host.exec_prefix
+        maddrs = self.swarm.start_bootstrap(extra_args=[LISTEN, *args])
+        self.initial_peer = next(m for m in maddrs if f"/{host.address}/" in m)
+
+    def start_peer(self, name: str, *args: str, home: bool) -> None:
+        host = self.net.add_home(name) if home else self.net.add_public(name)
+        if home:
+            self.net.shape(name, down_mbit=100, up_mbit=20)
+        self.swarm.exec_prefix[name] = host.exec_prefix
+        self.swarm.start_peer(name, [f"--initial-peers={self.initial_peer}", LISTEN, *args])
+
+    def running(self, name: str) -> bool:
+        return self.swarm.peers[name].proc.poll() is None
+
+    def committed(self) -> dict[int, dict[str, dict]]:
+        return collect_rounds(self.swarm.peers)
+
+    def records(self, name: str) -> list[dict]:
+        return [r for r in read_jsonl(self.run_dir / name / "metrics.jsonl") if r.get("event") == "round"]
+
+    def log(self, name: str) -> str:
+        return (self.run_dir / f"{name}.log").read_text()
+
+    def close(self) -> None:
+        self.swarm.close()
+
+
+def _wait(condition, timeout: float, what: str, swarm: LabSwarm) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"== {n}\n{swarm.log(n)[-2000:]}" for n in swarm.swarm.peers)
+            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+        time.sleep(0.5)  # peers report through their metrics files: poll them
+
+
+def _repairs(run_dir: Path) -> list[dict]:
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("event") == "repair"]
+
+
+def _mode(swarm: LabSwarm, name: str) -> str:
+    line = next(line for line in swarm.log(name).splitlines() if "taking part as" in line)
+    return line.rsplit("taking part as ", 1)[1].strip()
+
+
+@pytest.mark.timeout(360)
+def test_home_peers_behind_nat_train_survive_a_router_failure_and_continue_through_the_relay(tmp_path, process_tag):
+    """(a) a public peer and three homes behind three NATs train with equal θ_global digests; (d) reachability=auto
+    finds the public peer public and the homes unreachable but relayed; (c) home2's router goes down while its
+    all-reduce is in flight: the others commit nothing that round, carry on and agree; when its router is back,
+    home2 repairs itself from them; (b) the public peer leaves: the homes train on through the bootstrap's relay.
+    Meanwhile ``p2p-diloco doctor``, run from a fourth home, reports what it finds, one verdict per line."""
+    rounds = 12
+    doctor = None
+    with Internet() as net:
+        swarm = LabSwarm(tmp_path, net, rounds, expected_peers=4)
+        try:
+            swarm.start_bootstrap()
+            swarm.start_peer("pub0", home=False)
+            for name in ("home0", "home1"):
+                swarm.start_peer(name, home=True)
+            swarm.start_peer("home2", "--fault.inject=hold:allreduce:4", home=True)
+            doctor = _start_doctor(net, swarm.initial_peer, tmp_path)
+            hold = tmp_path / "home2" / HOLD_FILE
+            _wait(hold.exists, 240, "home2 to reach its all-reduce of round 4", swarm)
+            net.router_down("home2")  # mid all-reduce: its packets now vanish, no FIN, no RST
+            hold.unlink()
+            _wait(lambda: not all(r["committed"] for r in swarm.records("pub0")), 60, "the failed round", swarm)
+            net.router_up("home2")
+            swarm.swarm.peers["pub0"].proc.send_signal(signal.SIGTERM)  # leaves after the round under way
+            _wait(lambda: not any(swarm.running(n) for n in ("home0", "home1", "home2")), 150, "the homes", swarm)
+            committed = swarm.committed()
+            modes = {name: _mode(swarm, name) for name in ("pub0", "home0", "home1", "home2")}
+            records = {name: swarm.records(name) for name in ("pub0", "home0", "home1")}
+            repairs = _repairs(tmp_path / "home2")
+            report = doctor.communicate(timeout=60)[0]
+        finally:
+            if doctor is not None and doctor.poll() is None:
+                os.killpg(doctor.pid, signal.SIGKILL)
+                doctor.wait()
+            swarm.close()
+    assert modes == {"pub0": "public", "home0": "relayed", "home1": "relayed", "home2": "relayed"}  # (d)
+    for number in (1, 2, 3):  # (a)
+        assert set(committed[number]) == {"pub0", "home0", "home1", "home2"}, committed[number].keys()
+    survivors = ("pub0", "home0", "home1")
+    for number in range(1, rounds + 1):
+        digests = {committed[number][n]["global_params_sha256"] for n in committed[number] if n in survivors}
+        assert len(digests) == 1, f"round {number}: the survivors disagree on θ_global: {committed[number]}"
+    for name in survivors:  # (c): the attempt home2 was cut off in: nobody committed it, θ_global untouched
+        failed = next(r for r in records[name] if not r["committed"])
+        assert failed["round"] == 3 and failed["global_params_sha256"] == committed[3][name]["global_params_sha256"]
+    assert {"home0", "home1"} <= set(committed[4])  # ... then they carried on
+    # home2 either failed that round too (and simply rejoins), or had received every part before its link died and
+    # committed its own round 4, alone: then, back online, it is in the minority, repairs from a peer holding the
+    # run's state, and agrees from then on. Either way, every round it commits after that agrees with the others.
+    own_round_4 = committed[4].get("home2", {}).get("global_params_sha256")
+    if own_round_4 is not None and own_round_4 != committed[4]["home0"]["global_params_sha256"]:
+        assert repairs and repairs[0]["round"] >= 4, repairs
+        after = repairs[0]["round"] + 1
+    else:
+        after = 1
+    for number in range(after, rounds + 1):
+        assert len({r["global_params_sha256"] for r in committed[number].values()}) == 1, committed[number]
+    assert "home2" in committed[rounds]  # back, it finished the run with the others
+    last_public = max(n for n in committed if "pub0" in committed[n])
+    assert rounds - last_public >= 3
+    for number in range(last_public + 1, rounds + 1):  # (b): no public peer left, only the relay
+        assert len(committed[number]) >= 2 and set(committed[number]) <= {"home0", "home1", "home2"}
+    assert doctor.returncode == 0, report
+    for expected in ("[ OK ] initial peers: 1 of 1 answered", "[ OK ] clock offset", "[WARN] reachable from outside: "
+                     "no", "[ OK ] relay: reserved at", "30 min and carries 4 GiB", "take part as relayed",
+                     "[ OK ] /dev/shm"):
+        assert expected in report, report
+    up, down = (float(x) for x in re.search(r"up ([\d.]+) Mbit/s, down ([\d.]+) Mbit/s", report).groups())
+    assert up < 25 < down, report  # the 20/100 Mbit/s link, measured
+
+
+@pytest.mark.timeout(180)
+def test_home_peers_without_a_usable_relay_say_why_no_group_can_form(tmp_path, process_tag):
+    """A bootstrap node that is not told it is public keeps p2pd's default relay (128 KiB per relayed connection):
+    two homes behind NAT find it too small, fall back to client mode (d), and, with nobody able to accept
+    connections, say in one line per round why no group can form and what fixes it."""
+    with Internet() as net:
+        swarm = LabSwarm(tmp_path, net, rounds=3, expected_peers=2, **{"averaging.matchmaking_time": 2.0,
+                                                                       "averaging.request_timeout": 1.5})
+        try:
+            swarm.start_bootstrap("--network.reachability=auto")
+            for name in ("home0", "home1"):
+                swarm.start_peer(name, "--network.reachability=private", home=True)
+            explained = lambda n: [r for r in swarm.records(n) if (r["error"] or "").startswith("no group can form")]
+            _wait(lambda: all(len(explained(n)) >= 2 for n in ("home0", "home1")), 120, "two explanations", swarm)
+            logs = {name: swarm.log(name) for name in ("home0", "home1")}
+            records = {name: swarm.records(name) for name in ("home0", "home1")}
+        finally:
+            swarm.close()
+    for name, log in logs.items():
+        assert "taking part as client" in log and "128 KiB (2 min)" in log  # (d): the relay is too small
+        lines = [line for line in log.splitlines() if "no group can form" in line]
+        assert len(lines) >= 2 and all("not committed" in line and "Fix: forward a TCP port" in line for line in lines)
+        assert not any(r["committed"] for r in records[name])
+
+
+def _start_doctor(net: Internet, initial_peer: str, tmp_path: Path) -> subprocess.Popen:
+    host = net.add_home("doctor")
+    net.shape("doctor", down_mbit=100, up_mbit=20)
+    return subprocess.Popen([*host.exec_prefix, sys.executable, "-m", "p2p_diloco", "doctor", "--initial-peers",
+                             initial_peer, f"--run.run_dir={tmp_path / 'doctor'}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
