@@ -134,8 +134,13 @@ class DiLoCoConfig:
                               "rounds mix contributions of different staleness", choices=("nesterov", "sgd",
                                                                                          "delayed_nesterov"),
                               shared=True)
-    outer_lr: float = _f(0.7, "ε: outer learning rate", "", _positive, "must be > 0", shared=True)
-    outer_momentum: float = _f(0.9, "β: outer momentum", "", lambda x: 0 <= x < 1, "must be in [0, 1)", shared=True)
+    outer_lr: FloatOrAuto = _f(AUTO, "ε: outer learning rate; 'auto': from run.expected_peers M (0.5 + 0.1·log2 M "
+                               "in [0.5, 0.8], train/outer.py auto_outer, BENCHMARKS.md §9), resolved at start and "
+                               "published with the run's settings", "", lambda x: x == AUTO or x > 0,
+                               "must be > 0 or 'auto'", shared=True)
+    outer_momentum: FloatOrAuto = _f(AUTO, "β: outer momentum; 'auto': 0.5 (BENCHMARKS.md §9: 0.9 needs hundreds "
+                                     "of rounds), resolved at start", "", lambda x: x == AUTO or 0 <= x < 1,
+                                     "must be in [0, 1) or 'auto'", shared=True)
     weight_by_tokens: bool = _f(True, "weight each peer's pseudo-gradient by the tokens it processed (else equally)",
                                 shared=True)
     dylu: bool = _f(True, "Dynamic Local Updates: the fastest live peer runs inner_steps (H) per round, every other "

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from p2p_diloco.train.outer import (OuterNesterov, OuterSGD, build_outer_optimizer, load_into, params_digest,
-                                    pseudo_gradient, rebase)
+from p2p_diloco.config import ConfigError, load_config
+from p2p_diloco.train.outer import (OuterNesterov, OuterSGD, auto_outer, build_outer_optimizer, load_into,
+                                    params_digest, pseudo_gradient, rebase, resolve_auto)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -195,3 +196,31 @@ def test_rebase_moves_the_local_work_onto_the_new_global_params():
     same = _params(0)
     rebase(same, _params(5), [torch.zeros_like(p) for p in same])  # no work: exactly the new θ_global
     assert params_digest(same) == params_digest(_params(5))
+
+
+# ------------------------------------------------------------------------------------------- the 'auto' rule
+
+@pytest.mark.parametrize("peers, lr", [(1, 0.5), (2, 0.6), (4, 0.7), (8, 0.8), (64, 0.8)])
+def test_auto_outer_has_the_documented_values_for_every_h(peers, lr):
+    """ε = 0.5 + 0.1·log2(M) in [0.5, 0.8], β = 0.5, whatever H (BENCHMARKS.md §9)."""
+    for h in (1, 10, 30, 100, 500):
+        assert auto_outer(peers, h) == (lr, 0.5)
+    assert 0.6 < auto_outer(3, 30)[0] < 0.7  # between the measured sizes
+
+
+def test_auto_outer_rejects_sizes_below_one():
+    with pytest.raises(ValueError):
+        auto_outer(0, 30)
+    with pytest.raises(ValueError):
+        auto_outer(4, 0)
+
+
+def test_auto_is_the_default_parses_from_text_and_only_auto_values_are_resolved():
+    cfg = load_config(overrides={"diloco.outer_momentum": "0.8", "diloco.inner_steps": "30"})
+    assert (cfg.diloco.outer_lr, cfg.diloco.outer_momentum) == ("auto", 0.8)
+    assert load_config(overrides={"diloco.outer_lr": "AUTO"}).diloco.outer_lr == "auto"
+    assert resolve_auto(cfg.diloco, 2) == ["diloco.outer_lr=0.6"]
+    assert (cfg.diloco.outer_lr, cfg.diloco.outer_momentum) == (0.6, 0.8)
+    for bad in ({"diloco.outer_lr": "-1"}, {"diloco.outer_lr": "fast"}, {"diloco.outer_momentum": "1.0"}):
+        with pytest.raises(ConfigError):
+            load_config(overrides=bad)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import math
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -125,10 +126,40 @@ class OuterNesterov(OuterOptimizer):
         return self.buffers
 
 
+AUTO_MOMENTUM = 0.5
+"""β of ``diloco.outer_momentum = "auto"``. Our sweep (BENCHMARKS.md §9): at tens of rounds, β = 0.9 (the papers'
+value, tuned for hundreds to thousands of rounds) costs 15-25 % of final loss for M = 1 and M = 4; β = 0.5 is within
+1 % of the best point found."""
+
+
 def auto_outer(peers: int, inner_steps: int) -> tuple[float, float]:
-    """(outer lr, outer momentum) of ``diloco.outer_lr = "auto"`` for a run of ``peers`` peers, H = ``inner_steps``.
-    PLACEHOLDER until the sweep is in."""
-    return 0.7, 0.9
+    """(outer lr ε, outer momentum β) of ``diloco.outer_lr = "auto"`` / ``outer_momentum = "auto"`` for a run that
+    expects ``peers`` peers and runs H = ``inner_steps`` inner steps per round. Pure.
+
+    ε = 0.5 + 0.1·log2(M), clamped to [0.5, 0.8]: 0.5 for M = 1, 0.6 for 2, 0.7 for 4, 0.8 from 8 on. The trend
+    (smaller ε for fewer replicas, ε near 0.7-1 at M >= 4) is the scaling-laws paper's (arXiv 2503.09799, §4: the
+    best outer lr grows with M); the values are our sweep's (tiny preset, H 10-100, 20-60 rounds, BENCHMARKS.md §9),
+    where β = 0.5. H does not change the choice within the swept range (H 10-100), so it is not used; it stays an
+    argument so that a rule measured over H can replace this one without changing callers.
+    """
+    if peers < 1 or inner_steps < 1:
+        raise ValueError(f"auto_outer needs peers >= 1 and inner_steps >= 1, got {peers}, {inner_steps}")
+    lr = min(0.8, max(0.5, 0.5 + 0.1 * math.log2(peers)))
+    return round(lr, 6), AUTO_MOMENTUM
+
+
+def resolve_auto(diloco, peers: int) -> list[str]:
+    """Replace ``"auto"`` in ``diloco.outer_lr`` / ``diloco.outer_momentum`` (a DiLoCoConfig, changed in place) by
+    :func:`auto_outer` for ``peers`` expected peers and its H; return the keys replaced, as ``key=value``."""
+    lr, momentum = auto_outer(peers, diloco.inner_steps)
+    done = []
+    if diloco.outer_lr == "auto":
+        diloco.outer_lr = lr
+        done.append(f"diloco.outer_lr={lr:g}")
+    if diloco.outer_momentum == "auto":
+        diloco.outer_momentum = momentum
+        done.append(f"diloco.outer_momentum={momentum:g}")
+    return done
 
 
 class OuterDelayedNesterov(OuterOptimizer):

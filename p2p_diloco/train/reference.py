@@ -19,7 +19,7 @@ from p2p_diloco.config import Config
 from p2p_diloco.train.data import Data, WindowBatches, build_data, peer_seed
 from p2p_diloco.train.inner import InnerTrainer, evaluate, schedule_total_steps
 from p2p_diloco.train.model import build_model
-from p2p_diloco.train.outer import build_outer_optimizer, load_into, pseudo_gradient
+from p2p_diloco.train.outer import build_outer_optimizer, load_into, pseudo_gradient, resolve_auto
 
 
 def replica_data(cfg: Config, num_peers: int) -> tuple[Data, list]:
@@ -58,7 +58,9 @@ class ReferenceDiLoCo:
             self.replicas.append((model, InnerTrainer(model, cfg.inner, self.device, total), reader))
         self.params = [p.detach().clone() for p in self.replicas[0][0].parameters()]
         d = cfg.diloco
-        self.outer = build_outer_optimizer(d.outer_optimizer, self.params, d.outer_lr, d.outer_momentum)
+        resolve_auto(d, num_peers)
+        self.outer = build_outer_optimizer(d.outer_optimizer, self.params, d.outer_lr, d.outer_momentum, d.dn_delay,
+                                           d.dn_c)
         self.round = 0
         self.tokens = 0  # training tokens of all replicas so far
         self.stats: list[dict] = []  # per round: how the pseudo-gradients relate (see _stats)
