@@ -120,8 +120,8 @@ def plot(done: dict[str, list[dict]], path: str, args) -> None:
     ax.set_xlabel("training tokens, all workers (millions)")
     ax.set_ylabel("held-out loss (nats/byte)")
     params = next(iter(done.values()))[0]["params"]
-    ax.set_title(f"{args.preset} ({params / 1e6:.2f}M parameters), {args.corpus} corpus, median of "
-                 f"{len(args.seeds)} seeds", fontsize=10)
+    seeds = f"median of {len(args.seeds)} seeds" if len(args.seeds) > 1 else f"seed {args.seeds[0]}"
+    ax.set_title(f"{args.preset} ({params / 1e6:.2f}M parameters), {args.corpus} corpus, {seeds}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
