@@ -134,13 +134,14 @@ class DiLoCoConfig:
                               "rounds mix contributions of different staleness", choices=("nesterov", "sgd",
                                                                                          "delayed_nesterov"),
                               shared=True)
-    outer_lr: FloatOrAuto = _f(AUTO, "ε: outer learning rate; 'auto': from run.expected_peers M (0.5 + 0.1·log2 M "
-                               "in [0.5, 0.8], train/outer.py auto_outer, BENCHMARKS.md §9), resolved at start and "
+    outer_lr: FloatOrAuto = _f(AUTO, "ε: outer learning rate; 'auto': train/outer.py auto_outer of run.expected_peers "
+                               "and H (0.5 for every M and H measured, BENCHMARKS.md §9), resolved at start and "
                                "published with the run's settings", "", lambda x: x == AUTO or x > 0,
                                "must be > 0 or 'auto'", shared=True)
-    outer_momentum: FloatOrAuto = _f(AUTO, "β: outer momentum; 'auto': 0.5, resolved at start (BENCHMARKS.md §9: "
-                                     "the papers' 0.9, tuned over hundreds of rounds, costs 16-38 % at 20 rounds)", "", lambda x: x == AUTO or 0 <= x < 1,
-                                     "must be in [0, 1) or 'auto'", shared=True)
+    outer_momentum: FloatOrAuto = _f(AUTO, "β: outer momentum; 'auto': auto_outer's (0.5; BENCHMARKS.md §9: the "
+                                     "papers' 0.9, tuned over hundreds of rounds, ended 9-32 % above it at 20 "
+                                     "rounds)", "", lambda x: x == AUTO or 0 <= x < 1, "must be in [0, 1) or 'auto'",
+                                     shared=True)
     weight_by_tokens: bool = _f(True, "weight each peer's pseudo-gradient by the tokens it processed (else equally)",
                                 shared=True)
     dylu: bool = _f(True, "Dynamic Local Updates: the fastest live peer runs inner_steps (H) per round, every other "

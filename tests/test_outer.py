@@ -200,12 +200,11 @@ def test_rebase_moves_the_local_work_onto_the_new_global_params():
 
 # ------------------------------------------------------------------------------------------- the 'auto' rule
 
-@pytest.mark.parametrize("peers, lr", [(1, 0.5), (2, 0.6), (4, 0.7), (8, 0.8), (64, 0.8)])
-def test_auto_outer_has_the_documented_values_for_every_h(peers, lr):
-    """ε = 0.5 + 0.1·log2(M) in [0.5, 0.8], β = 0.5, whatever H (BENCHMARKS.md §9)."""
-    for h in (1, 10, 30, 100, 500):
-        assert auto_outer(peers, h) == (lr, 0.5)
-    assert 0.6 < auto_outer(3, 30)[0] < 0.7  # between the measured sizes
+def test_auto_outer_has_the_documented_values_for_every_size_and_h():
+    """ε = 0.5, β = 0.5 whatever M and H (BENCHMARKS.md §9: best or within 0.3 % at M 1, 2, 4 and H 10, 30)."""
+    for peers in (1, 2, 3, 4, 8, 64):
+        for h in (1, 10, 30, 100, 500):
+            assert auto_outer(peers, h) == (0.5, 0.5)
 
 
 def test_auto_outer_rejects_sizes_below_one():
@@ -219,8 +218,8 @@ def test_auto_is_the_default_parses_from_text_and_only_auto_values_are_resolved(
     cfg = load_config(overrides={"diloco.outer_momentum": "0.8", "diloco.inner_steps": "30"})
     assert (cfg.diloco.outer_lr, cfg.diloco.outer_momentum) == ("auto", 0.8)
     assert load_config(overrides={"diloco.outer_lr": "AUTO"}).diloco.outer_lr == "auto"
-    assert resolve_auto(cfg.diloco, 2) == ["diloco.outer_lr=0.6"]
-    assert (cfg.diloco.outer_lr, cfg.diloco.outer_momentum) == (0.6, 0.8)
+    assert resolve_auto(cfg.diloco, 2) == ["diloco.outer_lr=0.5"]
+    assert (cfg.diloco.outer_lr, cfg.diloco.outer_momentum) == (0.5, 0.8)
     for bad in ({"diloco.outer_lr": "-1"}, {"diloco.outer_lr": "fast"}, {"diloco.outer_momentum": "1.0"}):
         with pytest.raises(ConfigError):
             load_config(overrides=bad)

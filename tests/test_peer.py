@@ -81,9 +81,9 @@ def test_auto_outer_step_is_resolved_at_start_and_logged(tmp_path, caplog):
     given stays."""
     with caplog.at_level(logging.INFO, logger="p2p_diloco"):
         peer, _ = _peer(tmp_path, [], rounds=1, **{"run.expected_peers": "4", "diloco.outer_momentum": "0.8"})
-    assert (peer.cfg.diloco.outer_lr, peer.cfg.diloco.outer_momentum) == (0.7, 0.8)
-    assert (peer.state.outer.lr, peer.state.outer.momentum) == (0.7, 0.8)
-    assert "auto outer step for 4 expected peers, H=3: diloco.outer_lr=0.7" in caplog.text
+    assert (peer.cfg.diloco.outer_lr, peer.cfg.diloco.outer_momentum) == (0.5, 0.8)
+    assert (peer.state.outer.lr, peer.state.outer.momentum) == (0.5, 0.8)
+    assert "auto outer step for 4 expected peers, H=3: diloco.outer_lr=0.5" in caplog.text
     peer.close()
 
 
