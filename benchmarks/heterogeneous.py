@@ -9,8 +9,8 @@ Local swarms of 4 peers (tiny model, embedded corpus, one torch thread each) who
   (README, "DyLU"); late work dropped (``max_staleness=0``);
 * ``dylu+rebase``: the same, with late work rebased (``max_staleness=4``, the default);
 * ``dylu+rebase+dn``: the same with Delayed Nesterov (N = 4, c = 0);
-* ``dylu/own-steps-lr``: ``dylu+rebase`` with the lr schedule counting each peer's own steps (``inner.lr_clock=steps``)
-  instead of the run's progress: the measurement behind the ``lr_clock`` default;
+* ``dylu/own-steps-lr``: ``dylu+rebase`` with the lr schedule counting each peer's own steps (``inner.lr_clock=steps``,
+  the default since this measurement) instead of the run's progress (``rounds``, which every other method sets);
 * ``fixed-H/drop``, ``fixed-H/rebase``, ``fixed-H/rebase+dn``: H for every peer and the default matchmaking window
   (10 s): slow peers arrive after the others averaged and fetch the run's state; their work is dropped, rebased, or
   rebased and applied with Delayed Nesterov: the measurement behind the ``max_staleness`` default.
@@ -45,17 +45,19 @@ from p2p_diloco.ops.metrics import read_jsonl
 from p2p_diloco.ops.swarm import DEMO_DEFAULTS, run_swarm, write_peer_config
 
 SLOWDOWNS = [1.0, 1.0, 2.0, 4.0]
+ROUNDS_CLOCK = {"inner.lr_clock": "rounds"}  # what these methods were measured with (the default was then)
 REBASE = {"diloco.max_staleness": 4}
 DN = {"diloco.outer_optimizer": "delayed_nesterov", "diloco.dn_delay": 4}
 METHODS = {
-    "sync": {"diloco.dylu": False, "averaging.matchmaking_time": 120.0, "averaging.request_timeout": 5.0},
-    "dylu": {"diloco.max_staleness": 0},
-    "dylu+rebase": REBASE,
-    "dylu+rebase+dn": {**REBASE, **DN},
+    "sync": {"diloco.dylu": False, "averaging.matchmaking_time": 120.0, "averaging.request_timeout": 5.0,
+             **ROUNDS_CLOCK},
+    "dylu": {"diloco.max_staleness": 0, **ROUNDS_CLOCK},
+    "dylu+rebase": {**REBASE, **ROUNDS_CLOCK},
+    "dylu+rebase+dn": {**REBASE, **DN, **ROUNDS_CLOCK},
     "dylu/own-steps-lr": {**REBASE, "inner.lr_clock": "steps"},
-    "fixed-H/drop": {"diloco.dylu": False, "diloco.max_staleness": 0},
-    "fixed-H/rebase": {"diloco.dylu": False, **REBASE},
-    "fixed-H/rebase+dn": {"diloco.dylu": False, **REBASE, **DN},
+    "fixed-H/drop": {"diloco.dylu": False, "diloco.max_staleness": 0, **ROUNDS_CLOCK},
+    "fixed-H/rebase": {"diloco.dylu": False, **REBASE, **ROUNDS_CLOCK},
+    "fixed-H/rebase+dn": {"diloco.dylu": False, **REBASE, **DN, **ROUNDS_CLOCK},
 }
 
 
@@ -121,6 +123,12 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _at(rs, tokens: float, reference: float) -> str:
+    """Median eval loss of runs ``rs`` at ``tokens``, and its change against ``reference``."""
+    loss = _median(loss_at_tokens(r["points"], tokens) for r in rs)
+    return f"{loss:.4f} ({100 * (loss / reference - 1):+.1f}%)"
+
+
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -177,19 +185,22 @@ def print_table(runs: dict[str, list[dict]], rounds: dict[str, int]) -> None:
     sync = ok["sync"]
     target, sync_tokens = _median(r["final_loss"] for r in sync), _median(r["tokens"] for r in sync)
     sync_wall = _median(r["wall_s"] for r in sync)
+    common = min(r["tokens"] for rs in ok.values() for r in rs)  # every run got this far: equal tokens for all
     print(f"\nsync's final eval loss (the target): {target:.4f}; its tokens {sync_tokens:.0f}, "
-          f"wall {sync_wall:.0f} s\n")
+          f"wall {sync_wall:.0f} s; tokens every run reached: {common:.0f}\n")
     print("| method | rounds | wall s (x sync) | tokens (x sync) | final eval loss | sync's eval loss at this wall "
-          "time | eval loss at sync's tokens (vs sync) | wall s to sync's final loss (x sync's wall) | idle share "
-          "peer0 / peer1 / peer2 / peer3 (slowdown 1 / 1 / 2 / 4) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "time | eval loss at sync's tokens (vs sync) | eval loss at the tokens every run reached (vs sync) | "
+          "wall s to sync's final loss (x sync's wall) | idle share peer0 / peer1 / peer2 / peer3 (slowdown 1 / 1 / "
+          "2 / 4) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    sync_common = _median(loss_at_tokens(r["points"], common) for r in sync)
     for m, rs in ok.items():
         failed = [r["failed"] for r in runs[m] if "failed" in r]
-        print(_row(m, rounds[m], rs, sync, target, sync_tokens, sync_wall, failed) if rs else
+        print(_row(m, rounds[m], rs, sync, target, sync_tokens, sync_wall, failed, common, sync_common) if rs else
               f"| {m} | every run failed: {'; '.join(failed)} |")
 
 
-def _row(m, rounds, rs, sync, target, sync_tokens, sync_wall, failed) -> str:
+def _row(m, rounds, rs, sync, target, sync_tokens, sync_wall, failed, common, sync_common) -> str:
     wall, tokens = _median(r["wall_s"] for r in rs), _median(r["tokens"] for r in rs)
     sync_then = _median(loss_at_time(s["points"], wall) for s in sync)
     at_tokens = _median(loss_at_tokens(r["points"], sync_tokens) for r in rs)
@@ -201,7 +212,7 @@ def _row(m, rounds, rs, sync, target, sync_tokens, sync_wall, failed) -> str:
     reach_text = f"{_f(reach_m, '{:.0f}')}{f' ({reach_m / sync_wall:.2f})' if reach_m is not None else ''}"
     return (f"| {m} | {rounds} | {wall:.0f} ({wall / sync_wall:.2f}) | {tokens / sync_tokens:.2f} | "
             f"{_median(r['final_loss'] for r in rs):.4f} | {_f(sync_then, '{:.4f}')} | "
-            f"{_f(at_tokens, '{:.4f}')}{rel} | "
+            f"{_f(at_tokens, '{:.4f}')}{rel} | {_at(rs, common, sync_common)} | "
             f"{reach_text} [{reached}/{len(reach)} reached] | {idle} |"
             + (f" {len(failed)} run(s) failed: {'; '.join(failed)}" if failed else ""))
 

@@ -118,10 +118,10 @@ class InnerConfig:
     grad_accum: int = _f(1, "micro-batches accumulated per inner step", "micro-batches", _positive, "must be > 0")
     grad_clip: Optional[float] = _f(1.0, "clip the inner gradient to this global norm; None: no clipping", "",
                                     _positive, "must be > 0", shared=True)
-    lr_clock: str = _f("rounds", "what the lr schedule's step counts: 'rounds': the run's progress, round x H plus "
-                       "the share of this round's steps done, so every peer is at the same point of the schedule "
-                       "whatever its speed (DyLU); 'steps': this peer's own inner steps", choices=("rounds", "steps"),
-                       shared=True)
+    lr_clock: str = _f("steps", "what the lr schedule's step counts: 'steps': this peer's own inner steps (measured "
+                       "better with DyLU: BENCHMARKS.md section 9); 'rounds': the run's progress, round x H plus the "
+                       "share of this round's steps done, so every peer is at the same point of the schedule whatever "
+                       "its speed", choices=("rounds", "steps"), shared=True)
 
 
 @dataclass
@@ -135,10 +135,10 @@ class DiLoCoConfig:
                                                                                          "delayed_nesterov"),
                               shared=True)
     outer_lr: FloatOrAuto = _f(AUTO, "ε: outer learning rate; 'auto': train/outer.py auto_outer of run.expected_peers "
-                               "and H (0.5 for every M and H measured, BENCHMARKS.md §9), resolved at start and "
+                               "and H (0.5 for every M and H measured, BENCHMARKS.md §10), resolved at start and "
                                "published with the run's settings", "", lambda x: x == AUTO or x > 0,
                                "must be > 0 or 'auto'", shared=True)
-    outer_momentum: FloatOrAuto = _f(AUTO, "β: outer momentum; 'auto': auto_outer's (0.5; BENCHMARKS.md §9: the "
+    outer_momentum: FloatOrAuto = _f(AUTO, "β: outer momentum; 'auto': auto_outer's (0.5; BENCHMARKS.md §10: the "
                                      "papers' 0.9, tuned over hundreds of rounds, ended 9-32 % above it at 20 "
                                      "rounds)", "", lambda x: x == AUTO or 0 <= x < 1, "must be in [0, 1) or 'auto'",
                                      shared=True)
@@ -164,8 +164,9 @@ class DiLoCoConfig:
 @dataclass
 class AveragingConfig:
     """The fault-tolerant all-reduce. Every wait is bounded by one of the timeouts below."""
-    codec: str = _f("scaled_fp16", "wire format of pseudo-gradients (scaled_fp16 and fp16 send 16 bits per value)",
-                    choices=("scaled_fp16", "fp16", "fp32"), shared=True)
+    codec: str = _f("scaled_fp16", "wire format of pseudo-gradients: scaled_fp16 and fp16 send 16 bits per value, "
+                    "int8 8.125 and int4 or e3m0 4.5 (one fp32 scale per block of 256 or 64 values)",
+                    choices=("scaled_fp16", "fp16", "fp32", "int8", "int4", "e3m0"), shared=True)
     min_group_size: int = _f(2, "fewest peers (this one included) a round needs to commit; alone, a peer keeps "
                              "training and retries next round", "peers", _positive, "must be > 0", shared=True)
     target_group_size: int = _f(64, "most peers averaged in one group", "peers", _positive, "must be > 0", shared=True)
@@ -185,6 +186,10 @@ class AveragingConfig:
                              "donors", _positive, "must be > 0")
     roster_ttl: float = _f(30.0, "how long a peer's roster entry outlives its last heartbeat; a dead peer stops "
                            "counting after this", "s", _positive, "must be > 0")
+    average_codec: Optional[str] = _f(None, "wire format of the averages reducers send back; None: codec",
+                                      choices=("scaled_fp16", "fp16", "fp32", "int8", "int4", "e3m0"), shared=True)
+    error_feedback: bool = _f(False, "add what the codec lost of this peer's last committed contribution to its "
+                              "next one (local state, checkpointed; one more copy of the model in memory)")
 
 
 @dataclass
@@ -398,7 +403,7 @@ def _set(cfg: Config, dotted: str, value, from_text: bool) -> None:
     tp = typing.get_type_hints(type(section))[key]
     coerced = _coerce(dotted, tp, value, from_text)
     meta = f.metadata
-    if meta.get("choices") and coerced not in meta["choices"]:
+    if meta.get("choices") and coerced is not None and coerced not in meta["choices"]:
         raise ConfigError(f"{dotted}: expected one of {', '.join(meta['choices'])}, got {coerced!r}")
     if meta.get("check") is not None and coerced is not None and not meta["check"](coerced):
         raise ConfigError(f"{dotted}: {meta['rule']}, got {coerced!r}")

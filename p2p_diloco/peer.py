@@ -129,11 +129,15 @@ class Peer:
     def _fingerprint(self) -> str:
         """Everything that must match for two peers to average: model shape, wire codec, outer rule."""
         d = self.cfg.diloco
-        key = (f"{model_fingerprint(self.model)}|{self.cfg.averaging.codec}|{d.outer_optimizer}|{d.outer_lr}|"
+        key = (f"{model_fingerprint(self.model)}|{self._wire_formats()}|{d.outer_optimizer}|{d.outer_lr}|"
                f"{d.outer_momentum}|{d.weight_by_tokens}")
         if d.outer_optimizer == "delayed_nesterov":
             key += f"|{d.dn_delay}|{d.dn_c}"
         return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+    def _wire_formats(self) -> str:
+        a = self.cfg.averaging
+        return a.codec if a.average_codec in (None, a.codec) else f"{a.codec}>{a.average_codec}"  # 16-bit: as before
 
     def _open_dht(self) -> None:
         """Join the DHT, find out how we can take part (net/nat.py) and settle our config against the run's
@@ -172,6 +176,11 @@ class Peer:
     @property
     def peer_id(self) -> str:
         return getattr(self.averager, "peer_id", "")
+
+    @property
+    def error_feedback(self):
+        """The averaging seam's :class:`~p2p_diloco.net.codecs.ErrorFeedback`, or None (off)."""
+        return getattr(self.averager, "error_feedback", None)
 
     @property
     def round(self) -> int:
@@ -250,6 +259,8 @@ class Peer:
             return
         self.replica.load(self.state.params)
         self.tokens_since_commit, self.work_round = 0, self.round
+        if self.error_feedback is not None:
+            self.error_feedback.reset()  # its residual belongs to work that is gone
         if tokens:
             self._log_work("drop_work", base, work_round, tokens, "already averaged" if already_in else "too old")
 
@@ -334,6 +345,8 @@ class Peer:
             self.averager.set_group_size(len(live))
         with self.averager.pseudo_grads() as buffers:
             self.replica.pseudo_gradient(self.state.params, buffers)
+            if self.error_feedback is not None:
+                self.error_feedback.add_to(buffers)  # what the wire lost of our last committed contribution
         weight = self.tokens_since_commit if self.cfg.diloco.weight_by_tokens else 1.0
         self._announced_speed = self.pace.steps_per_s
         contribution = Contribution(name=self.name, round=self.round, digest=self.state.digest,
@@ -351,6 +364,8 @@ class Peer:
                 result.error = "the averaged pseudo-gradient is not finite: round rejected"
                 return False
             self.state.apply(averaged, num_contributions=result.group_size, members=result.peers)
+            if self.error_feedback is not None:
+                self.error_feedback.commit()
         self.replica.load(self.state.params)
         self.tokens_since_commit, self.work_round = 0, self.round
         if self.membership is not None:
@@ -401,7 +416,8 @@ class Peer:
                 "model": self.model.state_dict(), "inner": self.inner.state_dict(),
                 "data": self.data.train.state_dict(), "data_ranks": self.replica.data_states(),
                 "tokens_since_commit": self.tokens_since_commit, "work_round": self.work_round,
-                "tokens_trained": self.tokens_trained, "config": asdict(self.cfg)}
+                "tokens_trained": self.tokens_trained, "config": asdict(self.cfg),
+                "error_feedback": self.error_feedback.state_dict() if self.error_feedback is not None else None}
 
     def save(self) -> None:
         with self.state.lock:
@@ -446,6 +462,8 @@ class Peer:
         self.tokens_since_commit = saved["tokens_since_commit"]
         self.work_round = saved.get("work_round", self.round)  # θ_local's work is relative to the saved θ_global
         self.tokens_trained = saved.get("tokens_trained", 0)  # absent from checkpoints of earlier versions
+        if saved.get("error_feedback") is not None and self.error_feedback is not None:
+            self.error_feedback.load_state_dict(saved["error_feedback"])
         return True
 
     # ------------------------------------------------------------------------------------------------ close

@@ -20,6 +20,7 @@ class FakeAverager:
     """A group of one whose outcome per round is scripted: 'ok', 'fail' or 'nan'. Records every call."""
 
     peer_id = "fake-peer-id"
+    error_feedback = None  # or an ErrorFeedback whose pending residual each call sets to 0.001 x its number
 
     def __init__(self, outcomes):
         self.outcomes = list(outcomes)
@@ -35,6 +36,9 @@ class FakeAverager:
 
     def average(self, contribution, weight):
         self.calls.append((contribution, weight, [b.clone() for b in self.buffers]))
+        if self.error_feedback is not None:
+            for r in self.error_feedback.pending:
+                r.fill_(0.001 * len(self.calls))
         outcome = self.outcomes.pop(0)
         if outcome == "fail":
             return AverageResult(ok=False, error="injected failure")
@@ -49,12 +53,18 @@ class FakeAverager:
         pass
 
 
-def _peer(tmp_path, outcomes, rounds, **extra):
+def _peer(tmp_path, outcomes, rounds, error_feedback=False, **extra):
     overrides = {"model.seq_len": "32", "inner.batch_size": "2", "inner.warmup_steps": "2", "inner.lr": "1e-3",
                  "diloco.inner_steps": "3", "data.eval_batches": "1", "run.threads": "1", "run.progress": "false",
                  "run.run_dir": str(tmp_path / "run"), "run.name": "p0", "run.rounds": str(rounds), **extra}
     fake = FakeAverager(outcomes)
-    peer = Peer(load_config(overrides=overrides), averager=fake).start()
+    cfg = load_config(overrides=overrides)
+    if error_feedback:  # the averager exists before the peer starts (a resumed peer restores the residual into it)
+        from p2p_diloco.net.codecs import ErrorFeedback
+        from p2p_diloco.train.model import build_model
+
+        fake.error_feedback = ErrorFeedback([p.shape for p in build_model(cfg.model, 256, cfg.run.seed).parameters()])
+    peer = Peer(cfg, averager=fake).start()
     fake.bind(peer)  # the buffers take the model's shapes, known once the peer has started
     return peer, fake
 
@@ -220,7 +230,8 @@ def test_rebased_work_and_its_age_survive_a_checkpoint(tmp_path):
 def test_lr_clock_rounds_follows_the_runs_progress_and_slowdown_stretches_steps(tmp_path):
     import time
 
-    peer, _ = _peer(tmp_path, ["ok"], rounds=1, **{"inner.warmup_steps": "100", "fault.slowdown": "3"})
+    peer, _ = _peer(tmp_path, ["ok"], rounds=1, **{"inner.warmup_steps": "100", "fault.slowdown": "3",
+                                                   "inner.lr_clock": "rounds"})
     computing, step = [], peer.inner.step
 
     def timed(*args):
@@ -239,3 +250,21 @@ def test_lr_clock_rounds_follows_the_runs_progress_and_slowdown_stretches_steps(
     assert wall >= 3 * sum(computing) * 0.99  # each step followed by a sleep of 2 x its compute time
     assert 3 / peer.pace.steps_per_s == pytest.approx(wall, rel=0.1)  # the speed it publishes includes the sleep
     peer.close()
+
+
+def test_error_feedback_adds_the_last_committed_residual_and_is_checkpointed(tmp_path):
+    """The same run with and without error feedback: each contribution differs by exactly the residual of the last
+    committed round (a failed round's residual is never used), and a resumed peer gets its residual back."""
+    runs = {}
+    for ef in (False, True):
+        peer, fake = _peer(tmp_path / str(ef), ["ok", "fail", "ok"], rounds=2, error_feedback=ef)
+        peer.run()
+        peer.close()  # saves a checkpoint
+        runs[ef] = [delta for _, _, delta in fake.calls]
+    for with_, without, want in zip(runs[True], runs[False], (0.0, 0.001, 0.001)):  # round 2's 0.002: not committed
+        for w, wo in zip(with_, without):
+            torch.testing.assert_close(w - wo, torch.full_like(w, want), atol=1e-6, rtol=0)
+    resumed, fake = _peer(tmp_path / "True", ["ok"], rounds=3, error_feedback=True)
+    assert resumed.round == 2
+    assert all(torch.equal(r, torch.full_like(r, 0.003)) for r in resumed.error_feedback.residual)
+    resumed.close()

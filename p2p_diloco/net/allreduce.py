@@ -1,9 +1,11 @@
 """The canonical butterfly all-reduce: reducers stream the encoded average itself; any lost part fails the run.
 
 hivemind's stock ``AllReduceRunner`` sends each sender ``lossy(avg - its part)`` and keeps a peer's own values for a
-lost reducer's part (HIVEMIND.md, facts 1 and 2). Here a reducer encodes the average of each of its parts once, with
-the run's codec, and every recipient (the reducer included) decodes those same bytes; a reducer that loses a sender
-stops serving; a peer that misses any part records the reducer as failed. See averaging.py for how a round is judged.
+lost reducer's part (HIVEMIND.md, facts 1 and 2). Here senders encode their parts with the run's codec (wire.py), a
+reducer decodes and accumulates them in fp32, encodes the average of each of its parts once, and every recipient
+(the reducer included) decodes those same bytes; a reducer's own contribution enters its average as its recipients
+would decode it, so the average does not depend on who reduced which part. A reducer that loses a sender stops
+serving; a peer that misses any part records the reducer as failed. See averaging.py for how a round is judged.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import logging
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
+
+from p2p_diloco.net.wire import WireCodec, decode_part
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +29,10 @@ logger = logging.getLogger(__name__)
 class CanonicalAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose reducers stream the encoded average itself; any lost part fails the whole run."""
 
-    def __init__(self, *, codec_type, fault=None, **kwargs):
+    def __init__(self, *, average_codec: WireCodec, fault=None, **kwargs):
         super().__init__(**kwargs)
-        self.codec_type = codec_type
+        self.codec: WireCodec = kwargs["compression"]  # senders' parts (it records error-feedback residuals)
+        self.average_codec = average_codec  # the averages reducers send back
         self.fault = fault  # faults.Fault to strike once this reducer has streamed an averaged part (tests)
         self.tensor_part_container.return_deltas = False
         self.failed_reducers: set = set()
@@ -36,12 +40,14 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         self.bytes_received = 0
         self._encoded_averages: dict[int, asyncio.Future] = {}
         self._parts_received = [0] * len(self.ordered_peer_ids)  # averaged parts registered, by reducer index
+        own = self.tensor_part_container._input_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)]
+        self._own_infos = [info for _, info in own]  # where each of our parts lies in its tensor
 
     async def _encode_average(self, part_index: int, averaged: torch.Tensor):
         """Encode the average of one of our parts once; every recipient (us included) gets these same bytes."""
         if part_index not in self._encoded_averages:
             self._encoded_averages[part_index] = asyncio.get_event_loop().run_in_executor(
-                None, serialize_torch_tensor, averaged, self.codec_type)
+                None, self.average_codec.compress, averaged, self._own_infos[part_index])
         return await self._encoded_averages[part_index]
 
     def _check_senders_intact(self) -> None:
@@ -71,12 +77,17 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         sender_index = self.sender_peer_ids.index(self.peer_id)
         loop = asyncio.get_event_loop()
         for part_index, part in enumerate(self.parts_for_local_averaging):
-            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=self.weight)
+            # our contribution as the other senders' reach us: through the codec (this records our residual)
+            mine = await loop.run_in_executor(None, self._round_trip, part, self._own_infos[part_index])
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, mine, weight=self.weight)
             self._check_senders_intact()
             encoded = await self._encode_average(part_index, averaged)
-            decoded = await loop.run_in_executor(None, deserialize_torch_tensor, encoded)
+            decoded = await loop.run_in_executor(None, decode_part, encoded)
             self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
             self._parts_received[peer_index] += 1
+
+    def _round_trip(self, part, info):
+        return decode_part(self.codec.compress(part, info))
 
     async def _exchange_with_reducer(self, peer_id, peer_index: int) -> None:
         """Stream our parts to a reducer and read its averages. We call its ``rpc_aggregate_part`` as hivemind's stub
@@ -112,7 +123,7 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             if msg.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
             self.bytes_received += len(msg.tensor_part.buffer)
-            return deserialize_torch_tensor(msg.tensor_part)
+            return decode_part(msg.tensor_part)
 
         part_index, expected = 0, self.tensor_part_container.num_parts_by_peer[peer_index]
         async for averaged in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
@@ -135,7 +146,7 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         part_index, ended = 0, "input ended"
         try:
             async for part, weight in amap_in_executor(
-                    lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight), stream,
+                    lambda msg: (decode_part(msg.tensor_part), msg.weight), stream,
                     max_prefetch=self.tensor_part_container.prefetch):
                 if not (weight >= 0 and weight != float("inf")):
                     raise AllreduceException(f"sender {sender_index} sent invalid weight {weight}")

@@ -35,7 +35,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import Float16Compression, NoCompression, ScaledFloat16Compression, deserialize_torch_tensor
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
@@ -45,13 +45,13 @@ from hivemind.utils.streaming import combine_from_streaming
 from p2p_diloco.net import dht as _dht  # noqa: F401  (imported first for its torch sharing-strategy setting)
 from p2p_diloco.net.allreduce import CanonicalAllReduceRunner
 from p2p_diloco.config import AveragingConfig
+from p2p_diloco.net.codecs import ErrorFeedback
 from p2p_diloco.net.consensus import majority_state
 from p2p_diloco.net.deadlines import DeadlineEstimator
+from p2p_diloco.net.wire import WireCodec, payload_bytes
 from p2p_diloco.ops.procs import become_child_process
 
 logger = logging.getLogger(__name__)
-
-CODECS = {"scaled_fp16": ScaledFloat16Compression, "fp16": Float16Compression, "fp32": NoCompression}
 
 
 @dataclass
@@ -94,12 +94,13 @@ def choose_participants(contributions: Sequence[Contribution]) -> list[int]:
 class CanonicalAverager(DecentralizedAverager):
     """DecentralizedAverager running :class:`CanonicalAllReduceRunner`; its process dies with its parent."""
 
-    def __init__(self, *args, codec: str, min_participants: int, fault=None, **kwargs):
-        self._codec_type = CODECS[codec].compression_type
+    def __init__(self, *args, codec: WireCodec, average_codec: WireCodec, min_participants: int, fault=None,
+                 **kwargs):
+        self._average_codec = average_codec
         self._min_participants = min_participants
         self._fault = fault
         self.state_provider = None  # set in the host process: () -> (metadata dict, tensors)
-        super().__init__(*args, compression=CODECS[codec](), **kwargs)
+        super().__init__(*args, compression=codec, **kwargs)
 
     def run(self):
         become_child_process()
@@ -136,7 +137,7 @@ class CanonicalAverager(DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         runner = CanonicalAllReduceRunner(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
-            ordered_peer_ids=group_info.peer_ids, codec_type=self._codec_type, **kwargs)
+            ordered_peer_ids=group_info.peer_ids, average_codec=self._average_codec, **kwargs)
         self._running_groups[group_id].set_result(runner)
         async for tensor, averaged in azip(as_aiter(*tensors), runner):
             tensor.copy_(averaged)  # copy, not add: every peer ends with the same decoded bytes
@@ -215,6 +216,8 @@ class Averager:
     The buffers are allocated once (in shared memory) with the shapes of the model's parameters. A round writes the
     pseudo-gradient into them inside ``with averager.pseudo_grads() as bufs:``, then calls :meth:`average`; if the
     result is ``ok``, the buffers hold the canonical weighted average, bit-identical on every peer of the group.
+    ``error_feedback`` (an :class:`~p2p_diloco.net.codecs.ErrorFeedback`, or None when off) is the peer's to use:
+    add its residual to the pseudo-gradient before averaging, commit it with the round.
     """
 
     def __init__(self, dht, cfg: AveragingConfig, prefix: str, shapes: Sequence[torch.Size], *,
@@ -223,8 +226,13 @@ class Averager:
         self.client_mode = client_mode
         self.fault = fault
         buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+        # error feedback's pending residual is written by the averager's process: allocate it (shared) before the fork
+        self.error_feedback = ErrorFeedback(shapes) if cfg.error_feedback else None
+        codec = WireCodec(cfg.codec, cfg.part_size_bytes,
+                          residuals=self.error_feedback.pending if self.error_feedback else None)
         self._averager = CanonicalAverager(
-            buffers, dht, start=True, prefix=prefix, codec=cfg.codec, min_participants=cfg.min_group_size,
+            buffers, dht, start=True, prefix=prefix, codec=codec, min_participants=cfg.min_group_size,
+            average_codec=WireCodec(cfg.average_codec or cfg.codec, cfg.part_size_bytes),
             fault=fault if fault is not None and fault.phase == "allreduce" else None,
             target_group_size=expected_group_size or cfg.target_group_size, min_group_size=cfg.min_group_size,
             min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
@@ -232,11 +240,12 @@ class Averager:
             part_size_bytes=cfg.part_size_bytes, client_mode=client_mode, allow_state_sharing=False,
             shutdown_timeout=5)
         self._group_size = expected_group_size or cfg.target_group_size
-        bytes_per_value = 4 if cfg.codec == "fp32" else 2
+        payload = payload_bytes(sum(b.numel() for b in buffers), cfg.codec, cfg.average_codec)
         self._estimator = DeadlineEstimator(cfg.allreduce_timeout, cfg.next_chunk_timeout, cfg.part_size_bytes,
-                                            payload_bytes=sum(b.numel() for b in buffers) * bytes_per_value,
+                                            payload_bytes=payload,
                                             matchmaking_floor=cfg.matchmaking_time)
         self.deadlines = self._estimator.deadlines(self._group_size)
+        self._pending: Optional[PendingAverage] = None  # an all-reduce under way (start_average)
 
     @property
     def peer_id(self) -> str:
@@ -245,6 +254,8 @@ class Averager:
     @contextlib.contextmanager
     def pseudo_grads(self) -> Iterator[Sequence[torch.Tensor]]:
         """The shared buffers; the averager does not touch them while this context is open."""
+        if self._pending is not None:
+            raise RuntimeError("the buffers belong to an all-reduce under way: take its result() first")
         with self._averager.get_tensors() as tensors:
             yield tensors
 
@@ -259,24 +270,29 @@ class Averager:
 
     def average(self, contribution: Contribution, weight: float) -> AverageResult:
         """Find a group and all-reduce the buffers; never raises, never waits beyond the configured timeouts."""
-        start = time.perf_counter()
+        return self.start_average(contribution, weight).result()
+
+    def start_average(self, contribution: Contribution, weight: float) -> "PendingAverage":
+        """Start :meth:`average` in the averager's process and return at once (``diloco.overlap``). Until the
+        pending average's ``result()`` is taken, the buffers belong to the averager: :meth:`pseudo_grads` refuses."""
         self._update_deadlines()
-        control = None
+        pending = PendingAverage(self, contribution)
         try:
-            control = self._averager.step(gather=asdict(contribution), weight=float(weight), wait=False,
-                                          timeout=self.matchmaking_timeout, allow_retries=False)
+            pending.control = self._averager.step(gather=asdict(contribution), weight=float(weight), wait=False,
+                                                  timeout=self.matchmaking_timeout, allow_retries=False)
             if self.fault is not None and self.fault.due("matchmaking", contribution.round + 1):
-                self._strike_in_matchmaking(control)
-            out = control.result(timeout=self.matchmaking_timeout + self.deadlines.allreduce_timeout + 10)
+                self._strike_in_matchmaking(pending.control)
         except BaseException as e:
-            if control is not None and not control.done():
-                control.cancel()
             if isinstance(e, KeyboardInterrupt):
                 raise
-            return AverageResult(ok=False, seconds=time.perf_counter() - start, error=_one_line(e))
+            pending.error = _one_line(e)
+        self._pending = pending
+        return pending
+
+    def _finish(self, out: dict, seconds: float) -> AverageResult:
         result = AverageResult(ok=out["member_of"], group_size=len(out["members"]), peers=out["members"],
                                tokens=out["tokens"], bytes_sent=out["bytes_sent"],
-                               bytes_received=out["bytes_received"], seconds=time.perf_counter() - start,
+                               bytes_received=out["bytes_received"], seconds=seconds,
                                allreduce_seconds=out["allreduce_seconds"], group_round=out["group_round"],
                                speeds=out["speeds"])
         self._estimator.observe(out["bytes_sent"] + out["bytes_received"], out["allreduce_seconds"])
@@ -342,6 +358,45 @@ class Averager:
     def close(self) -> None:
         if self._averager.is_alive():
             self._averager.shutdown()
+
+
+class PendingAverage:
+    """An all-reduce under way in the averager's process (:meth:`Averager.start_average`)."""
+
+    def __init__(self, averager: Averager, contribution: Contribution):
+        self.averager, self.contribution = averager, contribution
+        self.control = None  # hivemind's StepControl, once the step has started
+        self.error: Optional[str] = None  # the step failed to start
+        self.started = time.perf_counter()
+        self.waited = 0.0  # seconds result() blocked its caller
+        self._result: Optional[AverageResult] = None
+
+    def done(self) -> bool:
+        return self._result is not None or self.control is None or self.control.done()
+
+    def result(self) -> AverageResult:
+        """The outcome; waits at most for the matchmaking and all-reduce deadlines. Never raises; frees the buffers."""
+        if self._result is None:
+            begun = time.perf_counter()
+            self._result = self._wait()
+            self.waited = time.perf_counter() - begun
+            if self.averager._pending is self:
+                self.averager._pending = None
+        return self._result
+
+    def _wait(self) -> AverageResult:
+        if self.control is None:
+            return AverageResult(ok=False, seconds=time.perf_counter() - self.started, error=self.error)
+        budget = self.averager.matchmaking_timeout + self.averager.deadlines.allreduce_timeout + 10
+        try:  # the budget runs from the start: a round that trained meanwhile does not extend it
+            out = self.control.result(timeout=max(5.0, self.started + budget - time.perf_counter()))
+        except BaseException as e:
+            if not self.control.done():
+                self.control.cancel()
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            return AverageResult(ok=False, seconds=time.perf_counter() - self.started, error=_one_line(e))
+        return self.averager._finish(out, time.perf_counter() - self.started)
 
 
 def _one_line(e: BaseException) -> str:

@@ -272,21 +272,28 @@ def publish_run_index(dht: hivemind.DHT, run_id: str, prefix: str, fingerprint: 
     """Announce that ``prefix`` belongs to ``run_id`` for ``ttl`` seconds, without waiting for the store: the
     roster heartbeat that calls this must stay on time (a late heartbeat lets a live peer's entry expire), and
     a lost announcement only hides the run from ``status`` until the next heartbeat."""
-    dht.store(run_index_key(run_id), subkey=prefix, value={"fingerprint": fingerprint},
-              expiration_time=get_dht_time() + ttl, return_future=True)  # the future is dropped: nobody waits
+    _store_nowait(dht, run_index_key(run_id), prefix, {"fingerprint": fingerprint}, ttl)
 
 
 def read_run_index(dht: hivemind.DHT, run_id: str, timeout: float) -> list[str]:
     """The prefixes of ``run_id`` announced within the roster TTL, sorted; [] if none or the DHT does not answer."""
-    future = dht.get(run_index_key(run_id), latest=True, return_future=True)
+    return sorted(str(prefix) for prefix in _read_subkeys(dht, run_index_key(run_id), timeout, "the run index"))
+
+
+def _store_nowait(dht: hivemind.DHT, key: str, subkey: str, value: dict, ttl: float) -> None:
+    """Store ``value`` under ``key``/``subkey`` for ``ttl`` seconds; the future is dropped: nobody waits."""
+    dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + ttl, return_future=True)
+
+
+def _read_subkeys(dht: hivemind.DHT, key: str, timeout: float, what: str) -> dict:
+    """Every unexpired subkey of ``key`` (subkey → ValueWithExpiration); {} if none or the DHT does not answer."""
+    future = dht.get(key, latest=True, return_future=True)
     try:
         found = future.result(timeout=timeout)
     except Exception as e:
-        logger.debug(f"reading the run index failed: {e!r}")
-        return []
-    if found is None or not isinstance(found.value, dict):
-        return []
-    return sorted(str(prefix) for prefix in found.value)
+        logger.debug(f"reading {what} failed: {e!r}")
+        return {}
+    return found.value if found is not None and isinstance(found.value, dict) else {}
 
 
 # ---------------------------------------------------------------------------------------------- run settings
@@ -301,21 +308,13 @@ def publish_run_settings(dht: hivemind.DHT, run_id: str, peer_id: str, settings:
                          ttl: float) -> None:
     """Publish the run settings this peer trains with for ``ttl`` seconds, without waiting for the store (as the
     run index: the heartbeat that calls this must stay on time; a lost store is redone by the next heartbeat)."""
-    dht.store(run_settings_key(run_id), subkey=peer_id, value={"settings": settings, "fingerprint": fingerprint},
-              expiration_time=get_dht_time() + ttl, return_future=True)  # the future is dropped: nobody waits
+    _store_nowait(dht, run_settings_key(run_id), peer_id, {"settings": settings, "fingerprint": fingerprint}, ttl)
 
 
 def read_run_settings(dht: hivemind.DHT, run_id: str, timeout: float) -> list[dict]:
     """Every unexpired published run settings entry of ``run_id``; [] if none or if the DHT does not answer."""
-    future = dht.get(run_settings_key(run_id), latest=True, return_future=True)
-    try:
-        found = future.result(timeout=timeout)
-    except Exception as e:
-        logger.debug(f"reading run settings failed: {e!r}")
-        return []
-    if found is None or not isinstance(found.value, dict):
-        return []
-    return [entry.value for entry in found.value.values() if isinstance(entry.value, dict)]
+    entries = _read_subkeys(dht, run_settings_key(run_id), timeout, "run settings")
+    return [entry.value for entry in entries.values() if isinstance(entry.value, dict)]
 
 
 # ---------------------------------------------------------------------------------------------- finished peers

@@ -79,6 +79,11 @@ class OuterOptimizer(abc.ABC):
     def state_tensors(self) -> list[torch.Tensor]:
         ...
 
+    def step_response(self, extra: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """How much further θ the last step would have moved had the average been larger by ``extra`` (the outer
+        step is linear in the average for a given state). Used by ``diloco.overlap = "eager"``."""
+        raise NotImplementedError(f"{type(self).__name__} has no closed-form step response")
+
     def state_dict(self) -> dict:
         return {"tensors": [t.clone() for t in self.state_tensors()]}
 
@@ -102,6 +107,10 @@ class OuterSGD(OuterOptimizer):
     def state_tensors(self) -> list[torch.Tensor]:
         return []
 
+    @torch.no_grad()
+    def step_response(self, extra):
+        return [e * -self.lr for e in extra]
+
 
 class OuterNesterov(OuterOptimizer):
     """DiLoCo's outer step: m ← β·m + Δ;  θ ← θ − ε·(Δ + β·m).
@@ -124,6 +133,11 @@ class OuterNesterov(OuterOptimizer):
     def state_tensors(self) -> list[torch.Tensor]:
         return self.buffers
 
+    @torch.no_grad()
+    def step_response(self, extra):
+        # θ moves by −ε·(Δ + β·(β·m + Δ)) = −ε·((1 + β)·Δ + β²·m): linear in Δ with slope −ε·(1 + β)
+        return [e * -(self.lr * (1 + self.momentum)) for e in extra]
+
 
 AUTO_OUTER = (0.5, 0.5)
 """(ε, β) of ``diloco.outer_lr = "auto"`` / ``outer_momentum = "auto"``: see :func:`auto_outer`."""
@@ -133,7 +147,7 @@ def auto_outer(peers: int, inner_steps: int) -> tuple[float, float]:
     """(outer lr ε, outer momentum β) of ``diloco.outer_lr = "auto"`` / ``outer_momentum = "auto"`` for a run that
     expects ``peers`` peers and runs H = ``inner_steps`` inner steps per round. Pure.
 
-    ε = 0.5, β = 0.5 for every M and H: in our sweep (BENCHMARKS.md §9: tiny preset, 600 steps, M 1, 2, 4, H 10, 30,
+    ε = 0.5, β = 0.5 for every M and H: in our sweep (BENCHMARKS.md §10: tiny preset, 600 steps, M 1, 2, 4, H 10, 30,
     100, i.e. 6 to 60 rounds) this was the best point or within 0.3 % of it at every (M, H) measured. Its step on a
     steady pseudo-gradient, ε/(1 − β) = 1, is plain averaging's; the papers' β = 0.9 (tuned over hundreds to
     thousands of rounds) ended 9-32 % above it. The scaling-laws paper's trend (arXiv 2503.09799: the best ε grows
