@@ -30,7 +30,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     cfg = demo_config(**{"averaging.min_group_size": args.peers, "averaging.codec": args.codec,
-                         "run.rounds": args.rounds, "diloco.inner_steps": args.h})
+                         "run.rounds": args.rounds, "diloco.inner_steps": args.h,
+                         "diloco.dylu": False})  # H steps on every peer, as in the reference
     ref = ReferenceDiLoCo(cfg, args.peers, codec=None if args.codec == "fp32" else args.codec)
     reference = [ref.evaluate()]
     for _ in range(args.rounds):

@@ -140,6 +140,7 @@ def _swarm(spec: Spec) -> dict:
     cfg.run.eval_every, cfg.run.checkpoint_every = stride, 0
     cfg.averaging.codec = spec.codec or "scaled_fp16"
     cfg.averaging.min_group_size = spec.peers  # every round averages all peers, or fails for all (then retried)
+    cfg.diloco.dylu = False  # H steps per round on every peer: equal tokens, whatever the machine's load
     everything = swarm_records(spec.peers, rounds, spec.h, cfg, f"study-m{spec.peers}h{spec.h}", timeout=6 * 3600)
     records = {name: rounds_of(recs) for name, recs in everything.items()}
     committed = [r for recs in records.values() for r in recs if r["committed"]]
