@@ -16,9 +16,9 @@ Local swarms of 4 peers (tiny model, embedded corpus, one torch thread each) who
   rebased and applied with Delayed Nesterov: the measurement behind the ``max_staleness`` default.
 
 Every method uses the outer step it was measured with (Nesterov, lr 0.7, momentum 0.9: the defaults then) and the
-demo's inner settings, with the lr schedule's cosine decay ending at the method's last round, and ``averaging.min_group_size = 3``, a majority of
-the 4 peers: with groups of 2 allowed, two late peers could average among themselves and commit the same round as
-the other two (a split the roster repairs at the next round, but not after the last). ``sync`` runs ``--rounds``
+demo's inner settings, with the lr schedule's cosine decay ending at the method's last round, and
+``averaging.min_group_size = 3``, a majority of the 4 peers: with groups of 2 allowed, two late peers could average
+among themselves and commit the same round as the other two (a split the roster repairs at the next round, but not after the last). ``sync`` runs ``--rounds``
 rounds; the others ``--rounds`` x 4 / (1 + 1 + 1/2 + 1/4), rounded up (about equal tokens). Per run: the wall time;
 the tokens all peers trained; the final eval loss (mean over peers of θ_global's held-out loss, equal bits on every
 peer); sync's eval loss at the same wall time (its last round committed by then: equal wall time); the eval loss at
