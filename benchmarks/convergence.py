@@ -1,143 +1,132 @@
-"""Convergence at equal tokens: DiLoCo against plain AdamW and its data-parallel equivalent, on the embedded corpus.
+"""Convergence at equal tokens: DiLoCo with M = 1, 2, 4 peers against data parallelism, the scaling-laws protocol.
 
-Every method sees the same number of training tokens (``--steps`` inner steps x ``--workers`` workers x batch x
-sequence length) and is evaluated on the same held-out batches:
+A global batch of ``--batch`` sequences, ``--steps`` steps (default: 2400 x 32 x 128 = 9.8M tokens, about 21 tokens
+per parameter of the tiny preset, i.e. Chinchilla's 20):
 
-  * ``AdamW, 1 worker``: one model, workers x steps steps of the peer batch (the same InnerTrainer a peer runs);
-  * ``data-parallel, 4x batch``: steps steps of a workers x larger batch. Synchronous data parallelism with a mean
-    all-reduce of gradients every step computes exactly this update, so it runs in one process; its bytes are those
-    a ring all-reduce of fp32 gradients would send (computed, not measured);
-  * ``DiLoCo, N peers, H``: a real local swarm (``p2p-diloco swarm``): N peer processes, steps inner steps each,
-    pseudo-gradients all-reduced every H steps in 16 bits; bytes are those the peers measured on the wire;
-  * ``DiLoCo, 1 peer``: the outer Nesterov step alone (a swarm of one peer, workers x steps steps).
+  * ``AdamW / data parallel``: one model, the whole batch, ``--steps`` AdamW steps. Synchronous data parallelism with
+    any number of workers computes exactly this update (mean all-reduce of gradients every step), so it runs in one
+    process; it is also plain AdamW with the same steps, the reference for DiLoCo M = 1. Its bytes are those a ring
+    all-reduce of fp32 gradients among 4 workers would send (computed);
+  * ``DiLoCo M``: a real local swarm (``p2p-diloco swarm``; ``--engine sim``: the exact in-process reference) of M
+    peers with batch/M sequences each and ``--steps`` inner steps each, H inner steps per round, pseudo-gradients
+    all-reduced in 16 bits, outer optimizer from the defaults (``diloco.outer_lr = auto``) unless given.
 
-Prints a Markdown table (final eval loss, median over seeds; bytes sent per worker) and writes a PNG plot of eval
-loss against tokens. Run:
+Inner lr: ``--lr`` for every method unless ``--dp-lr`` is given for AdamW (the study tuned both; BENCHMARKS.md §4).
+Every run is evaluated on the same ``--eval-windows`` held-out windows of the ``--corpus``. Results are appended to
+``--out`` as each run ends (a stopped study resumes). Prints a Markdown table of the median final eval loss over the
+seeds and draws eval loss against tokens (median over seeds at each point) to ``--plot``. Run:
 
-    python benchmarks/convergence.py [--steps 250] [--workers 4] [--h 10 --h 50] [--seeds 0 1 2] [--plot PATH]
+    python benchmarks/convergence.py [--preset tiny] [--steps 2400] [--seeds 0 1 2] [--peers 1 2 4] [--h 30]
+        [--engine swarm] [--out benchmarks/results/convergence-tiny.jsonl] [--plot benchmarks/convergence-tiny.png]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
-from pathlib import Path
+import statistics
 
-import torch
+from common import median, table
+from study import Spec, run_all
 
-from common import demo_config, median, rounds_of, swarm_records, table
-
-from p2p_diloco.train.data import build_data
-from p2p_diloco.train.inner import InnerTrainer, evaluate
-from p2p_diloco.train.model import build_model, count_parameters
+from p2p_diloco.train.outer import auto_outer
 
 
-def local_run(steps: int, batch_mult: int, eval_every: int, seed: int) -> dict:
-    """Plain AdamW in this process: the peer's InnerTrainer on peer0's data order, batch x ``batch_mult``."""
-    cfg = demo_config(**{"data.seed": seed, "run.seed": seed})
-    batch = cfg.inner.batch_size * batch_mult
-    data = build_data(cfg.data, cfg.model.seq_len, batch, "peer0")
-    model = build_model(cfg.model, data.vocab_size, cfg.run.seed)
-    trainer = InnerTrainer(model, cfg.inner, torch.device("cpu"), total_steps=steps)
-    curve, tokens = [(0, evaluate(model, data.eval_batches, torch.device("cpu")))], 0
-    for step in range(1, steps + 1):
-        tokens += trainer.step(data.train.next_batch).tokens
-        if step % eval_every == 0 or step == steps:
-            curve.append((tokens, evaluate(model, data.eval_batches, torch.device("cpu"))))
-    return {"curve": curve, "params": count_parameters(model)}
-
-
-def diloco_run(peers: int, inner_steps: int, rounds: int, seed: int) -> dict:
-    """A real local swarm; the curve is peer0's eval loss of θ_global after each round vs the swarm's tokens."""
-    cfg = demo_config(**{"data.seed": seed, "run.seed": seed, "averaging.min_group_size": min(peers, 2)})
-    everything = swarm_records(peers, rounds, inner_steps, cfg, f"conv-{peers}x{inner_steps}")
-    records = {name: rounds_of(recs) for name, recs in everything.items()}
-    by_round: dict[int, int] = {}
-    for recs in records.values():
-        for r in recs:
-            if r["committed"]:
-                by_round[r["round"]] = by_round.get(r["round"], 0) + r["train/tokens"]
-    start = next(r for r in everything["peer0"] if r.get("event") == "start")
-    tokens, curve = 0, [(0, start["eval/loss"])]
-    for r in records["peer0"]:
-        if r["committed"] and "eval/loss" in r:
-            tokens = sum(v for k, v in by_round.items() if k <= r["round"])
-            curve.append((tokens, r["eval/loss"]))
-    sent = median(sum(r["outer/bytes_sent"] for r in recs) for recs in records.values())
-    return {"curve": curve, "bytes_sent": sent}
+def specs_of(args) -> dict[str, list[Spec]]:
+    """Method name -> its spec for every seed."""
+    base = Spec(preset=args.preset, corpus=args.corpus, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
+                warmup=args.warmup, lr=args.lr, eval_windows=args.eval_windows, eval_points=args.eval_points,
+                engine=args.engine, codec=args.codec)
+    methods = {f"AdamW / data parallel (batch {args.batch})": Spec(**{**base.__dict__, "peers": 0, "h": 1,
+               "outer": "none", "outer_lr": 0.0, "momentum": 0.0, "engine": "local", "codec": None,
+               "lr": args.dp_lr or args.lr})}
+    for m in args.peers:
+        lr, momentum = auto_outer(m, args.h)
+        lr = args.outer_lr if args.outer_lr is not None else lr
+        momentum = args.momentum if args.momentum is not None else momentum
+        spec = Spec(**{**base.__dict__, "peers": m, "h": args.h, "outer": "nesterov", "outer_lr": lr,
+                       "momentum": momentum})
+        methods[spec.label()] = spec
+    return {name: [Spec(**{**s.__dict__, "seed": seed}) for seed in args.seeds] for name, s in methods.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=250, help="inner steps per worker (default 250)")
-    parser.add_argument("--workers", type=int, default=4, help="DiLoCo peers and data-parallel workers (default 4)")
-    parser.add_argument("--h", type=int, action="append", help="DiLoCo inner steps per round (default 10 and 50)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds (init and data order); the table "
-                        "reports the median final eval loss over them (default: 0)")
-    parser.add_argument("--plot", default="benchmarks/convergence.png", help="PNG path for eval loss vs tokens")
+    parser.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    parser.add_argument("--corpus", default="stdlib", help="data.dataset (default stdlib, 10 MB)")
+    parser.add_argument("--steps", type=int, default=2400, help="steps of every method (default 2400)")
+    parser.add_argument("--batch", type=int, default=32, help="global batch in sequences (default 32)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--warmup", type=int, default=100, help="inner lr warm-up steps (default 100)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak inner AdamW lr (default 2e-3)")
+    parser.add_argument("--dp-lr", type=float, default=None, help="AdamW's lr if not --lr")
+    parser.add_argument("--peers", type=int, nargs="+", default=[1, 2, 4], help="DiLoCo sizes (default 1 2 4)")
+    parser.add_argument("--h", type=int, default=30, help="inner steps per round (default 30)")
+    parser.add_argument("--outer-lr", type=float, default=None, help="outer lr (default: the auto rule)")
+    parser.add_argument("--momentum", type=float, default=None, help="outer momentum (default: the auto rule)")
+    parser.add_argument("--engine", default="swarm", choices=("swarm", "sim"), help="DiLoCo runs (default swarm)")
+    parser.add_argument("--codec", default=None, help="wire codec (swarm default scaled_fp16; sim default exact)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (default 0 1 2)")
+    parser.add_argument("--eval-windows", type=int, default=512, help="held-out windows (default 512)")
+    parser.add_argument("--eval-points", type=int, default=16, help="evaluations along a run (default 16)")
+    parser.add_argument("--out", default=None, help="JSONL results (default benchmarks/results/convergence-PRESET"
+                        ".jsonl)")
+    parser.add_argument("--plot", default=None, help="PNG (default benchmarks/convergence-PRESET.png)")
+    parser.add_argument("--shard", default="0/1", help="run only every K-th missing run, from the I-th: I/K")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    hs = args.h or [10, 50]
-    if any(args.steps % h for h in hs):
-        parser.error("--steps must be a multiple of every --h")
-    n, steps = args.workers, args.steps
-    eval_every = min(hs)  # eval points at the same token counts as the DiLoCo run with the smallest H
-    methods = {
-        "AdamW, 1 worker": lambda s: local_run(n * steps, 1, n * eval_every, s),
-        f"data-parallel, {n} workers ({n}x batch)": lambda s: local_run(steps, n, eval_every, s),
-        **{f"DiLoCo, {n} peers, H={h}": (lambda s, h=h: diloco_run(n, h, steps // h, s)) for h in hs},
-        f"DiLoCo, 1 peer, H={max(hs)}": lambda s: diloco_run(1, max(hs), n * steps // max(hs), s),
-    }
-    params = count_parameters(build_model(demo_config().model, 256, 0))
-    results: dict[str, list[dict]] = {}
-    for seed in args.seeds:
-        for name, fn in methods.items():
-            start = time.perf_counter()
-            out = fn(seed)
-            out["seconds"] = time.perf_counter() - start
-            results.setdefault(name, []).append(out)
-            print(f"seed {seed} {name}: eval loss {out['curve'][-1][1]:.4f} at {out['curve'][-1][0]} tokens "
-                  f"({out['seconds']:.0f} s)", flush=True)
+    out = args.out or f"benchmarks/results/convergence-{args.preset}.jsonl"
+    methods = specs_of(args)
+    index, count = map(int, args.shard.split("/"))
+    results = run_all([s for specs in methods.values() for s in specs], out, (index, count),
+                      echo=lambda s: print(s, flush=True))
+    done = {name: [results[s.key()] for s in specs if s.key() in results] for name, specs in methods.items()}
+    print(report(done, args))
+    if all(done.values()):
+        plot(done, args.plot or f"benchmarks/convergence-{args.preset}.png", args)
 
-    dp_name = f"data-parallel, {n} workers ({n}x batch)"
+
+def report(done: dict[str, list[dict]], args) -> str:
+    dp = next(iter(done.values()))
+    dp_final = median(r["final"] for r in dp) if dp else None
     rows = []
-    for name, runs in results.items():
-        final = median(r["curve"][-1][1] for r in runs)
-        if name == dp_name:  # ring all-reduce of fp32 gradients every step: 2(N-1)/N x params x 4 bytes per worker
-            sent, how = steps * 2 * (n - 1) / n * params * 4, "computed"
-        elif "bytes_sent" in runs[0]:
-            sent, how = median(r["bytes_sent"] for r in runs), "measured"
-        else:
-            sent, how = 0, ""
+    for name, runs in done.items():
+        if not runs:
+            rows.append([name, "–", "–", "(not run yet)", "–", "–"])
+            continue
+        final = median(r["final"] for r in runs)
+        gap = f"{100 * (final / dp_final - 1):+.1f} %" if dp_final and runs is not dp else "–"
+        sent = runs[0].get("bytes_sent_per_peer")
+        if runs is dp:
+            params = runs[0]["params"]
+            sent = args.steps * 2 * 3 / 4 * params * 4  # ring all-reduce of fp32 gradients, 4 workers, every step
         rows.append([name, runs[0]["curve"][-1][0], f"{final:.4f}",
-                     " / ".join(f"{r['curve'][-1][1]:.4f}" for r in runs), f"{sent / 1e6:.1f} {how}".strip()])
-    print(f"\nseeds {args.seeds}; {params / 1e6:.2f}M parameters; {steps} inner steps per worker\n")
-    print(table(["method", "tokens", "final eval loss (median)", "per seed", "MB sent per worker"], rows))
-    Path(args.plot).with_suffix(".json").write_text(json.dumps(results))  # the curves, to redraw or compare
-    plot(results, args.plot, f"tiny model ({params / 1e6:.2f}M), embedded corpus, seed {args.seeds[0]}")
-    print(f"\nplot: {args.plot} (curves: {Path(args.plot).with_suffix('.json')})")
+                     " / ".join(f"{r['final']:.4f}" for r in runs), gap,
+                     "–" if sent is None else f"{sent / 1e6:.1f}" + (" (computed)" if runs is dp else "")])
+    return table(["method", "tokens", "final eval loss (median)", "per seed", "vs data parallel",
+                  "MB sent per worker"], rows)
 
 
-def plot(results: dict[str, list[dict]], path: str, title: str) -> None:
+def plot(done: dict[str, list[dict]], path: str, args) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for name, runs in results.items():
-        xs, ys = zip(*runs[0]["curve"])
-        ax.plot([x / 1e6 for x in xs], ys, marker="." if len(xs) < 40 else None, label=name)
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for name, runs in done.items():
+        points = min(len(r["curve"]) for r in runs)
+        xs = [runs[0]["curve"][i][0] / 1e6 for i in range(1, points)]
+        ys = [statistics.median(r["curve"][i][1] for r in runs) for i in range(1, points)]
+        ax.plot(xs, ys, marker=".", label=name)
     ax.set_xlabel("training tokens, all workers (millions)")
     ax.set_ylabel("held-out loss (nats/byte)")
-    ax.set_title(title, fontsize=10)
-    ax.set_ylim(top=min(5.7, ax.get_ylim()[1]))
+    params = next(iter(done.values()))[0]["params"]
+    seeds = f"median of {len(args.seeds)} seeds" if len(args.seeds) > 1 else f"seed {args.seeds[0]}"
+    ax.set_title(f"{args.preset} ({params / 1e6:.2f}M parameters), {args.corpus} corpus, {seeds}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ Local swarms of 4 peers (tiny model, embedded corpus, one torch thread each) who
   (10 s): slow peers arrive after the others averaged and fetch the run's state; their work is dropped, rebased, or
   rebased and applied with Delayed Nesterov: the measurement behind the ``max_staleness`` default.
 
-Every method uses the current outer defaults (Nesterov, lr 0.7, momentum 0.9) and the demo's inner settings, with
-the lr schedule's cosine decay ending at the method's last round, and ``averaging.min_group_size = 3``, a majority of
-the 4 peers: with groups of 2 allowed, two late peers could average among themselves and commit the same round as
-the other two (a split the roster repairs at the next round, but not after the last). ``sync`` runs ``--rounds``
+Every method uses the outer step it was measured with (Nesterov, lr 0.7, momentum 0.9: the defaults then) and the
+demo's inner settings, with the lr schedule's cosine decay ending at the method's last round, and
+``averaging.min_group_size = 3``, a majority of the 4 peers: with groups of 2 allowed, two late peers could average
+among themselves and commit the same round as the other two (a split the roster repairs at the next round, but not after the last). ``sync`` runs ``--rounds``
 rounds; the others ``--rounds`` x 4 / (1 + 1 + 1/2 + 1/4), rounded up (about equal tokens). Per run: the wall time;
 the tokens all peers trained; the final eval loss (mean over peers of θ_global's held-out loss, equal bits on every
 peer); sync's eval loss at the same wall time (its last round committed by then: equal wall time); the eval loss at
@@ -45,6 +45,7 @@ from p2p_diloco.ops.metrics import read_jsonl
 from p2p_diloco.ops.swarm import DEMO_DEFAULTS, run_swarm, write_peer_config
 
 SLOWDOWNS = [1.0, 1.0, 2.0, 4.0]
+MEASURED_OUTER = {"diloco.outer_lr": 0.7, "diloco.outer_momentum": 0.9}  # the defaults when section 9 was measured
 ROUNDS_CLOCK = {"inner.lr_clock": "rounds"}  # what these methods were measured with (the default was then)
 REBASE = {"diloco.max_staleness": 4}
 DN = {"diloco.outer_optimizer": "delayed_nesterov", "diloco.dn_delay": 4}
@@ -63,7 +64,7 @@ METHODS = {
 
 def run_once(method: str, rounds: int, inner_steps: int) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"hetero-{method.replace('/', '-')}-"))
-    cfg = load_config(defaults={**DEMO_DEFAULTS, "averaging.min_group_size": 3, **METHODS[method]})
+    cfg = load_config(defaults={**DEMO_DEFAULTS, "averaging.min_group_size": 3, **MEASURED_OUTER, **METHODS[method]})
     rc = run_swarm(len(SLOWDOWNS), rounds, inner_steps, str(run_dir), write_peer_config(run_dir, cfg),
                    slowdowns=SLOWDOWNS, timeout=1800, echo=lambda s: None)
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -14,12 +14,17 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional, Union
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
+
+
+AUTO = "auto"
+FloatOrAuto = Union[float, Literal["auto"]]
+"""The type of a field whose value is a float, or "auto": derived from the run's other settings at start."""
 
 
 class ConfigError(ValueError):
@@ -68,8 +73,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     """Where token batches come from. Each peer reads its own order, derived from its name and the seed."""
-    dataset: str = _f("embedded", "'embedded' (offline corpus built from Python's own docs), a local .txt/.json/"
-                      ".jsonl/.parquet file or folder, or a Hugging Face hub dataset name", shared=True)
+    dataset: str = _f("embedded", "'embedded' (1 MB offline corpus built from Python's own docs), 'stdlib' (10 MB: "
+                      "the docs and the standard library's source), a local .txt/.json/.jsonl/.parquet file or "
+                      "folder, or a Hugging Face hub dataset name", shared=True)
     dataset_config: Optional[str] = _f(None, "hub dataset configuration (subset) name, e.g. 'en' for allenai/c4",
                                        shared=True)
     split: str = _f("train", "dataset split to train on", shared=True)
@@ -128,8 +134,14 @@ class DiLoCoConfig:
                               "rounds mix contributions of different staleness", choices=("nesterov", "sgd",
                                                                                          "delayed_nesterov"),
                               shared=True)
-    outer_lr: float = _f(0.7, "ε: outer learning rate", "", _positive, "must be > 0", shared=True)
-    outer_momentum: float = _f(0.9, "β: outer momentum", "", lambda x: 0 <= x < 1, "must be in [0, 1)", shared=True)
+    outer_lr: FloatOrAuto = _f(AUTO, "ε: outer learning rate; 'auto': train/outer.py auto_outer of run.expected_peers "
+                               "and H (0.5 for every M and H measured, BENCHMARKS.md §10), resolved at start and "
+                               "published with the run's settings", "", lambda x: x == AUTO or x > 0,
+                               "must be > 0 or 'auto'", shared=True)
+    outer_momentum: FloatOrAuto = _f(AUTO, "β: outer momentum; 'auto': auto_outer's (0.5; BENCHMARKS.md §10: the "
+                                     "papers' 0.9, tuned over hundreds of rounds, ended 9-32 % above it at 20 "
+                                     "rounds)", "", lambda x: x == AUTO or 0 <= x < 1, "must be in [0, 1) or 'auto'",
+                                     shared=True)
     weight_by_tokens: bool = _f(True, "weight each peer's pseudo-gradient by the tokens it processed (else equally)",
                                 shared=True)
     dylu: bool = _f(True, "Dynamic Local Updates: the fastest live peer runs inner_steps (H) per round, every other "
@@ -325,6 +337,8 @@ def _unwrap_optional(tp) -> tuple[Any, bool]:
 
 
 def _type_name(tp) -> str:
+    if tp == FloatOrAuto:
+        return "float or 'auto'"
     base, optional = _unwrap_optional(tp)
     name = "list of strings" if typing.get_origin(base) is list else getattr(base, "__name__", str(base))
     return f"{name} or none" if optional else name
@@ -340,6 +354,10 @@ def _coerce(key: str, tp, value, from_text: bool):
             return None
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got none")
     bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if base == FloatOrAuto:
+        if isinstance(value, str) and value.strip().lower() == AUTO:
+            return AUTO
+        base = float
     if base is bool:
         if isinstance(value, bool):
             return value

@@ -44,7 +44,7 @@ from p2p_diloco.train.dylu import PROBE_STEPS, PaceMeter, RoundPlan, plan_round,
 from p2p_diloco.train.global_state import GlobalState
 from p2p_diloco.train.inner import RoundSteps, evaluate, progress_bar
 from p2p_diloco.train.model import count_parameters, model_fingerprint
-from p2p_diloco.train.outer import build_outer_optimizer, rebase
+from p2p_diloco.train.outer import build_outer_optimizer, rebase, resolve_auto
 from p2p_diloco.train.replica import Replica, build_training, join_ranks, share_setup
 from p2p_diloco.train.transfer import host_copy
 
@@ -84,6 +84,7 @@ class Peer:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.ranks = join_ranks(cfg.run)  # None unless torchrun started this peer as one process per GPU
+        self._resolve_auto()
         if self.averager is None:
             self._open_dht()  # before the model: the run's published settings may complete ours
             cfg = self.cfg
@@ -118,6 +119,18 @@ class Peer:
             if cfg.model.init_from is not None and not resumed:
                 self.membership.check_initial_state(cfg.model.init_from)
         return self
+
+    def _resolve_auto(self) -> None:
+        """Outer lr and momentum 'auto' -> numbers (train/outer.py auto_outer), before the run's settings are settled:
+        the first peers publish the numbers and joiners adopt them, whatever their own run.expected_peers."""
+        d = self.cfg.diloco
+        auto = {f"diloco.{k}" for k in ("outer_lr", "outer_momentum") if getattr(d, k) == "auto"}
+        resolved = resolve_auto(d, self.cfg.run.expected_peers)
+        if self.given is not None:
+            self.given = self.given - auto  # 'auto' given explicitly is not a value to insist on against the run's
+        if resolved:
+            self.log.info(f"auto outer step for {self.cfg.run.expected_peers} expected peers, H="
+                          f"{d.inner_steps}: " + ", ".join(resolved))
 
     def _fingerprint(self) -> str:
         """Everything that must match for two peers to average: model shape, wire codec, outer rule."""

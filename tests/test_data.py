@@ -16,7 +16,7 @@ import torch
 from p2p_diloco.train import data as data_mod
 from p2p_diloco.config import ConfigError, DataConfig
 from p2p_diloco.train.data import (ByteTokenizer, StreamBatches, WindowBatches, build_data, embedded_corpus,
-                             embedded_documents, load_tokenizer)
+                             embedded_documents, load_tokenizer, stdlib_documents)
 from p2p_diloco.train.prefetch import Prefetcher
 
 pytestmark = pytest.mark.timeout(60)
@@ -67,6 +67,21 @@ def test_embedded_build_is_fast_and_matches_the_corpus():
     batch = data.train.next_batch()
     assert batch.shape == (8, 128) and batch.dtype == torch.long
     assert ByteTokenizer().decode(batch[0]) in embedded_corpus()
+
+
+def test_stdlib_corpus_is_over_10_mb_of_python_source_and_docs_deterministic_and_held_out_by_file():
+    stdlib_documents.cache_clear()
+    start = time.perf_counter()
+    docs = stdlib_documents()
+    assert time.perf_counter() - start < 20.0  # ~2 s alone; generous for a loaded shared machine (5 s flaked)
+    assert sum(len(d.encode()) for d in docs) > 10_000_000
+    assert any("class ArgumentParser" in d for d in docs)  # full sources, not only docstrings
+    # no test suite: it has hundreds of TestCase classes; only unittest's and doctest's own docs mention one
+    assert sum("(unittest.TestCase):" in d for d in docs) <= 2
+    stdlib_documents.cache_clear()
+    assert stdlib_documents() == docs
+    data = build_data(DataConfig(dataset="stdlib", eval_batches=2), SEQ, BATCH, "a")
+    assert data.train.tokens.numel() > 9_000_000 and len(data.eval_batches) == 2
 
 
 # ---------------------------------------------------------------------------------------------- per-peer order

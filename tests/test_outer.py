@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from p2p_diloco.train.outer import (OuterNesterov, OuterSGD, build_outer_optimizer, load_into, params_digest,
-                                    pseudo_gradient, rebase)
+from p2p_diloco.config import ConfigError, load_config
+from p2p_diloco.train.outer import (OuterNesterov, OuterSGD, auto_outer, build_outer_optimizer, load_into,
+                                    params_digest, pseudo_gradient, rebase, resolve_auto)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -195,3 +196,30 @@ def test_rebase_moves_the_local_work_onto_the_new_global_params():
     same = _params(0)
     rebase(same, _params(5), [torch.zeros_like(p) for p in same])  # no work: exactly the new θ_global
     assert params_digest(same) == params_digest(_params(5))
+
+
+# ------------------------------------------------------------------------------------------- the 'auto' rule
+
+def test_auto_outer_has_the_documented_values_for_every_size_and_h():
+    """ε = 0.5, β = 0.5 whatever M and H (BENCHMARKS.md §10: best or within 0.3 % at M 1, 2, 4 and H 10, 30)."""
+    for peers in (1, 2, 3, 4, 8, 64):
+        for h in (1, 10, 30, 100, 500):
+            assert auto_outer(peers, h) == (0.5, 0.5)
+
+
+def test_auto_outer_rejects_sizes_below_one():
+    with pytest.raises(ValueError):
+        auto_outer(0, 30)
+    with pytest.raises(ValueError):
+        auto_outer(4, 0)
+
+
+def test_auto_is_the_default_parses_from_text_and_only_auto_values_are_resolved():
+    cfg = load_config(overrides={"diloco.outer_momentum": "0.8", "diloco.inner_steps": "30"})
+    assert (cfg.diloco.outer_lr, cfg.diloco.outer_momentum) == ("auto", 0.8)
+    assert load_config(overrides={"diloco.outer_lr": "AUTO"}).diloco.outer_lr == "auto"
+    assert resolve_auto(cfg.diloco, 2) == ["diloco.outer_lr=0.5"]
+    assert (cfg.diloco.outer_lr, cfg.diloco.outer_momentum) == (0.5, 0.8)
+    for bad in ({"diloco.outer_lr": "-1"}, {"diloco.outer_lr": "fast"}, {"diloco.outer_momentum": "1.0"}):
+        with pytest.raises(ConfigError):
+            load_config(overrides=bad)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import pytest
 import torch
 
 from p2p_diloco.net.averaging import AverageResult
 from p2p_diloco.config import load_config
-from p2p_diloco.train.outer import OuterNesterov, params_digest
+from p2p_diloco.train.outer import OuterNesterov, auto_outer, params_digest
 from p2p_diloco.peer import Peer
 
 pytestmark = pytest.mark.timeout(120)
@@ -87,7 +88,7 @@ def test_commit_applies_the_nesterov_step_to_the_averaged_pseudo_gradient(tmp_pa
     theta0 = [p.clone() for p in peer.state.params]
     peer.run()
     reference = [p.clone() for p in theta0]
-    outer = OuterNesterov(reference, 0.7, 0.9)
+    outer = OuterNesterov(reference, *auto_outer(1, 3))  # the defaults: 'auto' for 1 expected peer
     for _, _, delta in fake.calls:
         outer.step(reference, delta)
     assert peer.round == 2
@@ -96,6 +97,17 @@ def test_commit_applies_the_nesterov_step_to_the_averaged_pseudo_gradient(tmp_pa
     # each round's contribution is relative to the θ_global of its round, weighted by the tokens behind it
     assert [c.round for c, _, _ in fake.calls] == [0, 1]
     assert all(w == c.tokens == 3 * 2 * 32 for c, w, _ in fake.calls)
+    peer.close()
+
+
+def test_auto_outer_step_is_resolved_at_start_and_logged(tmp_path, caplog):
+    """'auto' becomes auto_outer's value for run.expected_peers before the run's settings are settled; a value
+    given stays."""
+    with caplog.at_level(logging.INFO, logger="p2p_diloco"):
+        peer, _ = _peer(tmp_path, [], rounds=1, **{"run.expected_peers": "4", "diloco.outer_momentum": "0.8"})
+    assert (peer.cfg.diloco.outer_lr, peer.cfg.diloco.outer_momentum) == (0.5, 0.8)
+    assert (peer.state.outer.lr, peer.state.outer.momentum) == (0.5, 0.8)
+    assert "auto outer step for 4 expected peers, H=3: diloco.outer_lr=0.5" in caplog.text
     peer.close()
 
 

@@ -47,8 +47,9 @@ class Probe(NamedTuple):
 
 def probe(cfg: NetworkConfig, log: logging.Logger = logger) -> Probe:
     """Start this peer's DHT node and find out what decides how it takes part: AutoNAT's verdict and a relay
-    reservation (network.reachability, network.client_mode). ``auto`` waits up to ``network.reachability_timeout`` for the verdict. The DHT can read the run's keys
-    at once; :func:`decide` settles the mode once the payload is known."""
+    reservation (network.reachability, network.client_mode). ``auto`` waits up to ``network.reachability_timeout``
+    for the verdict. The DHT can read the run's keys at once; :func:`decide` settles the mode once the payload is
+    known."""
     relays = list(cfg.trusted_relays or cfg.initial_peers)
     known = findings(cfg, None, None, 0)
     if cfg.client_mode or cfg.reachability == "public" or (cfg.reachability == "auto" and not known.public_network):

@@ -1,11 +1,11 @@
-"""Token batches for the inner loop: the embedded offline corpus, local files, or Hugging Face hub datasets.
+"""Token batches for the inner loop: the offline corpora, local files, or Hugging Face hub datasets.
 
 Every peer reads its own order of the same data, derived from ``(data.seed, peer name)`` by a stable hash, and
 evaluates on the same held-out batches. Two readers implement :class:`TokenBatches`:
 
-- :class:`WindowBatches` (embedded corpus, local files, non-streamed hub data): the whole token stream is in memory;
+- :class:`WindowBatches` (offline corpora, local files, non-streamed hub data): the whole token stream is in memory;
   each batch is ``batch_size`` random windows of the training region. The held-out region is the stream's tail
-  (embedded) or its last documents (files).
+  (offline corpora) or its last documents (files).
 - :class:`StreamBatches` (streamed hub data, and local files with ``data.stream_files``): documents are shuffled
   through a buffer, tokenized and packed into consecutive windows, ahead of the training loop on a background thread
   (:mod:`p2p_diloco.train.prefetch`). The held-out documents are the stream's first ones and are skipped by training.
@@ -29,11 +29,14 @@ import torch
 
 from p2p_diloco.config import ConfigError, DataConfig
 from p2p_diloco.errors import first_line
-from p2p_diloco.train.corpus import embedded_corpus, embedded_documents  # noqa: F401  (re-exported)
+from p2p_diloco.train.corpus import embedded_corpus, embedded_documents, stdlib_documents  # noqa: F401  (re-exported)
 from p2p_diloco.train.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer  # noqa: F401
 
 LOCAL_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 """File extension -> ``datasets`` packaged builder for local data."""
+
+OFFLINE_CORPORA = {"embedded": embedded_documents, "stdlib": stdlib_documents}
+"""``data.dataset`` names of the corpora built from the Python installation (train/corpus.py): name -> documents."""
 
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 """Compression suffixes ``datasets`` decompresses on the fly (hub corpora such as allenai/c4 ship ``.json.gz``)."""
@@ -255,8 +258,8 @@ def build_data(data_cfg: DataConfig, seq_len: int, batch_size: int, peer_name: s
     tokenizer = load_tokenizer(data_cfg.tokenizer, init_from)
     seed = peer_seed(data_cfg.seed, peer_name)
     source = _open_source(data_cfg)
-    if data_cfg.dataset == "embedded":
-        train, held = _split_tokens(tokenizer.encode_documents(list(embedded_documents())), data_cfg)
+    if data_cfg.dataset in OFFLINE_CORPORA:
+        train, held = _split_tokens(tokenizer.encode_documents(list(OFFLINE_CORPORA[data_cfg.dataset]())), data_cfg)
     elif _is_streaming(source):
         return _stream_data(source, data_cfg, tokenizer, seq_len, batch_size, seed)
     else:
@@ -267,8 +270,8 @@ def build_data(data_cfg: DataConfig, seq_len: int, batch_size: int, peer_name: s
 
 
 def _open_source(cfg: DataConfig):
-    """None for the embedded corpus, else a ``datasets.Dataset`` or (streamed hub data) ``IterableDataset``."""
-    if cfg.dataset == "embedded":
+    """None for an offline corpus, else a ``datasets.Dataset`` or (streamed hub data) ``IterableDataset``."""
+    if cfg.dataset in OFFLINE_CORPORA:
         return None
     path = Path(cfg.dataset).expanduser()
     if path.exists():
