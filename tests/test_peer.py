@@ -304,7 +304,7 @@ def test_overlap_commits_each_average_one_round_late(tmp_path, mode):
     assert [c.round for c, _, _ in fake.calls] == [0, 1, 2]
     assert all(c.tokens == w == 3 * 2 * 32 for c, w, _ in fake.calls)  # one round's work each
     reference = [p.clone() for p in theta0]
-    outer = OuterNesterov(reference, 0.7, 0.9)
+    outer = OuterNesterov(reference, *auto_outer(1, 3))  # the defaults: 'auto' for 1 expected peer
     for _, _, delta in fake.calls:
         outer.step(reference, delta)
     assert params_digest(peer.state.params) == params_digest(reference)
@@ -341,7 +341,7 @@ def test_overlap_leave_waits_for_the_allreduce_in_flight_and_a_resume_carries_it
     assert peer.round == 1 and len(fake.calls) == 2  # round 1 committed, round 2's all-reduce in flight
     peer.close()  # waits for it (it fails) and saves
     reference = [p.clone() for p in theta0]
-    OuterNesterov(reference, 0.7, 0.9).step(reference, fake.calls[0][2])
+    OuterNesterov(reference, *auto_outer(1, 3)).step(reference, fake.calls[0][2])
     assert params_digest(peer.state.params) == params_digest(reference)
     sent = [s.clone() for s in peer.exchange.overlap.sent]
     assert (peer.round, peer.tokens_since_commit) == (1, 3 * 2 * 32)
