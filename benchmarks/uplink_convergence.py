@@ -157,10 +157,11 @@ def model_name(model: str) -> str:
     return str(path)
 
 
-def run(variant: str, seed: int, peers: int, steps: int, h: int, eval_every: int, model: str) -> dict:
+def run(variant: str, seed: int, peers: int, steps: int, h: int, eval_every: int, model: str,
+        outer: dict) -> dict:
     codec, average_codec, ef, overlap = VARIANTS[variant]
     cfg = demo_config(**{"data.seed": seed, "run.seed": seed, "diloco.inner_steps": h, "data.eval_batches": 16,
-                         "model.name": model_name(model)})
+                         "model.name": model_name(model), **outer})
     rounds = steps // h
     replicas = Replicas(cfg, peers, rounds, codec, average_codec, ef, overlap)
     start = time.perf_counter()
@@ -214,6 +215,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--eval-every", type=int, default=5, help="rounds between evaluations (default 5)")
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th (variant, seed) from the i-th")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="diloco.outer_lr (default 0.7: what the results "
+                        "in BENCHMARKS.md were measured with, before 'auto' became the default)")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="diloco.outer_momentum (default 0.9)")
     parser.add_argument("--out", default="benchmarks/results/uplink_convergence.jsonl")
     parser.add_argument("--table", action="store_true", help="only print the table of --out")
     args = parser.parse_args()
@@ -222,16 +226,18 @@ def main() -> None:
         return print_table(out)
     torch.set_num_threads(1)
     out.parent.mkdir(parents=True, exist_ok=True)
+    outer = {"diloco.outer_lr": args.outer_lr, "diloco.outer_momentum": args.outer_momentum}
+    key = (args.steps, args.h, args.model, args.outer_lr, args.outer_momentum)
     done = set()
     if out.exists():
-        done = {(r["variant"], r["seed"], r["steps"], r["h"], r.get("model", "tiny"))
-                for r in map(json.loads, out.read_text().splitlines())}
+        done = {(r["variant"], r["seed"], r["steps"], r["h"], r.get("model", "tiny"), r["outer_lr"],
+                 r["outer_momentum"]) for r in map(json.loads, out.read_text().splitlines())}
     jobs = [(v, s) for s in args.seeds for v in (args.variant or list(VARIANTS))]  # every variant once, then again
     index, count = map(int, args.shard.split("/"))
     for v, s in jobs[index::count]:
-        if (v, s, args.steps, args.h, args.model) in done:
+        if (v, s, *key) in done:
             continue
-        result = run(v, s, args.peers, args.steps, args.h, args.eval_every, args.model)
+        result = run(v, s, args.peers, args.steps, args.h, args.eval_every, args.model, outer)
         with out.open("a") as f:
             f.write(json.dumps(result) + "\n")
         print(f"{v} seed {s}: eval loss {result['final']:.4f} at {result['tokens']} tokens "

@@ -159,6 +159,10 @@ class DiLoCoConfig:
                                  "contributions", _positive, "must be > 0", shared=True)
     dn_c: float = _f(0.0, "c of Delayed Nesterov, in [0, 1/N]: share of the momentum applied at every arrival "
                      "(0: only at momentum updates)", "", _non_negative, "must be >= 0", shared=True)
+    overlap: str = _f("none", "hide a round's all-reduce behind the next round's inner steps: its average is "
+                      "committed one round late; delayed: θ_local keeps the work not yet averaged; eager: θ_local "
+                      "starts from the outer step with our fresh contribution in place of our stale one (arXiv "
+                      "2502.12996)", choices=("none", "delayed", "eager"), shared=True)
 
 
 @dataclass
@@ -461,6 +465,9 @@ def _check_consistency(cfg: Config) -> None:
     if d.outer_optimizer == "delayed_nesterov" and d.dn_delay is None:
         raise ConfigError("diloco.dn_delay: required with diloco.outer_optimizer=delayed_nesterov (the number of "
                           "peers you expect in a round)")
+    if d.overlap == "eager" and d.outer_optimizer not in ("nesterov", "sgd"):
+        raise ConfigError(f"diloco.overlap: eager needs an outer step linear in the average (nesterov or sgd), not "
+                          f"diloco.outer_optimizer={d.outer_optimizer}")
     if d.dn_delay is not None and d.dn_c > 1 / d.dn_delay:
         raise ConfigError(f"diloco.dn_c: must be in [0, 1/dn_delay] = [0, {1 / d.dn_delay:g}], got {d.dn_c!r}")
 

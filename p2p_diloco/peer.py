@@ -7,6 +7,10 @@ that rounds end together); if the run moved on while we trained, catch up again 
 θ_global and θ_local ← θ_global (commit); otherwise θ_global is left untouched and training continues from θ_local,
 so the next round's pseudo-gradient carries this round's work too (roll back).
 
+Overlap (``diloco.overlap``, net/exchange.py): the all-reduce of round t runs in the background while round t+1
+trains and is settled (committed if good) at round t+1's end; catching up with the run waits for that settle (the
+buffers are the averager's until then); leaving or finishing waits for the all-reduce in flight.
+
 Rebasing (``diloco.max_staleness``): when the peer replaces its θ_global by the run's (it missed rounds, was frozen,
 resumed from an old checkpoint, or was in the minority), its local work δ = θ_global_old − θ_local is kept:
 θ_local ← θ_global_new − δ, with its tokens still counted for the next contribution, unless the work began more than
@@ -32,10 +36,10 @@ from typing import Optional
 import torch
 
 from p2p_diloco.config import Config, ConfigError
-from p2p_diloco.net.reachability import explain_no_group
+from p2p_diloco.net.exchange import Exchange
 from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.ops.faults import HOLD_FILE, parse_fault
-from p2p_diloco.ops.metrics import MetricsSink, build_sink
+from p2p_diloco.ops.metrics import MetricsSink, build_sink, throughput_text
 from p2p_diloco.train.dylu import PROBE_STEPS, PaceMeter, RoundPlan, plan_round, schedule_position
 from p2p_diloco.train.global_state import GlobalState
 from p2p_diloco.train.inner import RoundSteps, evaluate, progress_bar
@@ -72,6 +76,7 @@ class Peer:
         self._sampler = None  # ops.generate.Generator over self.model, made at the first text sample
         self.log = logger
         self._closed = self._ready = False
+        self._last_loss = float("nan")  # the last round's mean training loss (logged with a drained all-reduce)
 
     # ------------------------------------------------------------------------------------------------ start
     def start(self) -> "Peer":
@@ -91,6 +96,7 @@ class Peer:
         outer = build_outer_optimizer(cfg.diloco.outer_optimizer, params, cfg.diloco.outer_lr,
                                       cfg.diloco.outer_momentum, cfg.diloco.dn_delay, cfg.diloco.dn_c)
         self.state = GlobalState(params, outer)
+        self.exchange = Exchange(self, cfg.diloco.overlap)  # the averaging step, at once or behind the next round
         self.fingerprint = self._fingerprint()
         self.metrics = build_sink(cfg, self.run_dir, self.name)
         if self.averager is None:
@@ -171,7 +177,10 @@ class Peer:
 
     def _payload_bytes(self) -> int:
         """Bytes of one pseudo-gradient on the wire."""
-        return sum(p.numel() for p in self.state.params) * (4 if self.cfg.averaging.codec == "fp32" else 2)
+        from p2p_diloco.net.wire import payload_bytes
+
+        a = self.cfg.averaging
+        return payload_bytes(sum(p.numel() for p in self.state.params), a.codec, a.average_codec)
 
     @property
     def peer_id(self) -> str:
@@ -196,28 +205,51 @@ class Peer:
             if self._finished(roster):
                 break
             live = [s for s in roster if not s.leaving]
-            self._catch_up(live)
+            if not self.exchange.in_flight:  # with overlap, catching up waits for the round's end (buffers busy)
+                self._catch_up(live)
             started = time.perf_counter()
             train_loss, tokens, steps = self._inner_steps(live, begun)
             if self.stop_event.is_set():
                 break
             inner_done = time.perf_counter()
+            settled = self.exchange.settle()  # overlap: the last round's all-reduce, committed now if good
             live = self._live_roster()  # one read: did the run move on while we trained, and the group to expect
             self._catch_up(live)  # if so, rebase onto it now: our work still enters this round
             caught_up = time.perf_counter()
-            result = self._average(live)
-            averaged_at = time.perf_counter()
-            self.averager.observe_round(averaged_at - started)
-            committed = result.ok and self._commit(result)
-            self._group_clock = (averaged_at, result.speeds) if committed and result.speeds else None
-            # wall time of this round by part: sync (roster reads, state repairs), inner steps, and the rest
-            # (pseudo-gradient, matchmaking, all-reduce, outer step); evaluation is not counted
+            self.exchange.start(live)  # this round's contribution goes out
+            if not self.exchange.overlapped:
+                settled = self.exchange.settle()  # no overlap: wait for it now
+            self.averager.observe_round(time.perf_counter() - started)
+            # wall time of this round by part: sync (roster reads, state repairs), inner steps, waiting for an average
+            # (matchmaking and all-reduce, or with overlap what the inner steps did not hide), and the whole round
+            # (the rest: pseudo-gradient, outer step); evaluation is not counted
             timing = {"time/sync_s": started - begun + caught_up - inner_done, "time/inner_s": inner_done - started,
-                      "time/round_s": time.perf_counter() - begun}
-            self._log_round(result, committed, train_loss, tokens, steps, timing)
-            self._report(result, tokens)
-            if committed:
-                self._after_commit()
+                      "time/wait_s": settled.waited_s if settled else 0.0, "time/round_s": time.perf_counter() - begun}
+            self._end_round(settled, train_loss, tokens, steps, timing)
+
+    def _end_round(self, settled, train_loss: float, tokens: int, steps: int, timing: dict) -> None:
+        self.tokens_trained += tokens
+        self._last_loss = train_loss
+        if settled is None:  # overlap, first round: nothing was in flight
+            return
+        result, committed = settled.result, settled.committed
+        # DyLU plans the next round from what the group shares: the moment its all-reduce ended and its speeds (with
+        # overlap that moment falls inside the next round: each peer plans from its own clock instead)
+        shared = committed and result.speeds and not self.exchange.overlapped
+        self._group_clock = (settled.ended, result.speeds) if shared else None
+        self._log_round(result, committed, train_loss, tokens, steps, timing)
+        self._report(result)
+        if committed:
+            self._after_commit()
+
+    def _drain(self) -> None:
+        """Overlap: the all-reduce still in flight (at the last round, or when leaving), waited for and committed."""
+        begun = time.perf_counter()
+        settled = self.exchange.settle()
+        if settled is not None:
+            self._end_round(settled, self._last_loss, 0, 0, {"time/sync_s": 0.0, "time/inner_s": 0.0,
+                                                             "time/wait_s": settled.waited_s,
+                                                             "time/round_s": time.perf_counter() - begun})
 
     def _after_commit(self) -> None:
         """What is due on the new θ_global: a checkpoint, an export, a text sample (each every K rounds)."""
@@ -228,7 +260,10 @@ class Peer:
                 action()
 
     def _finished(self, roster) -> bool:
-        if self.cfg.run.rounds is not None and self.round >= self.cfg.run.rounds:
+        rounds = self.cfg.run.rounds
+        if rounds is not None and self.round + self.exchange.in_flight >= rounds:
+            self._drain()  # overlap: the last round's all-reduce; if it fails, one more round goes out
+        if rounds is not None and self.round >= rounds:
             return True
         return self.membership is not None and self.membership.run_is_over(roster)
 
@@ -245,19 +280,21 @@ class Peer:
         base, work_round, tokens = self.round, self.work_round, self.tokens_since_commit
         max_staleness = self.cfg.diloco.max_staleness
         keep = tokens > 0 and max_staleness > 0 and target.round - work_round <= max_staleness
-        if keep:  # δ = θ_global_old − θ_local, into the (idle) averaging buffers, before θ_global_old is replaced
+        if keep:  # δ = our work not in θ_global_old, into the (idle) averaging buffers, before it is replaced
             with self.averager.pseudo_grads() as buffers:
-                self.replica.pseudo_gradient(self.state.params, buffers)
+                self.exchange.local_work(buffers)
         if not self.membership.fetch(target, fresh=base == 0 and self.inner.step_count == 0):
             return  # nothing changed: θ_local still holds our work
         already_in = self.state.included(self.name, base + 1)  # our last attempt was averaged after all
         if keep and not already_in:
             with self.averager.pseudo_grads() as buffers:
+                self.exchange.moved(buffers)  # it is what we contribute next
                 rebase(self.replica.params, self.state.params, buffers)
             self.replica.broadcast_local()  # θ_local changed on rank 0 only
             self._log_work("rebase", base, work_round, tokens)
             return
         self.replica.load(self.state.params)
+        self.exchange.dropped()
         self.tokens_since_commit, self.work_round = 0, self.round
         if self.error_feedback is not None:
             self.error_feedback.reset()  # its residual belongs to work that is gone
@@ -299,7 +336,7 @@ class Peer:
         our measurement, the live roster's and our own round start."""
         if self._group_clock is not None:
             averaged_at, speeds = self._group_clock
-            return self._announced_speed or self.pace.steps_per_s, speeds, averaged_at
+            return self.exchange.announced_speed or self.pace.steps_per_s, speeds, averaged_at
         return self.pace.steps_per_s, [s.steps_per_s for s in live_roster if s.peer_id != self.peer_id], round_start
 
     @property
@@ -337,41 +374,6 @@ class Peer:
             self.membership.work.update(steps_per_s=self.pace.steps_per_s, tokens_per_s=self.pace.tokens_per_s)
             self.membership.publish()  # others plan with it from now on
 
-    # ------------------------------------------------------------------------------------------------ averaging
-    def _average(self, live: list):
-        from p2p_diloco.net.averaging import Contribution
-
-        if self.membership is not None:
-            self.averager.set_group_size(len(live))
-        with self.averager.pseudo_grads() as buffers:
-            self.replica.pseudo_gradient(self.state.params, buffers)
-            if self.error_feedback is not None:
-                self.error_feedback.add_to(buffers)  # what the wire lost of our last committed contribution
-        weight = self.tokens_since_commit if self.cfg.diloco.weight_by_tokens else 1.0
-        self._announced_speed = self.pace.steps_per_s
-        contribution = Contribution(name=self.name, round=self.round, digest=self.state.digest,
-                                    tokens=self.tokens_since_commit, steps_per_s=self._announced_speed)
-        result = self.averager.average(contribution, weight)
-        if not result.ok and self.membership is not None:  # name the cause and the fix when it is reachability
-            result.error = explain_no_group(self.membership.reachability, [s.reachability for s in live],
-                                            self.relay_issue) or result.error
-        return result
-
-    def _commit(self, result) -> bool:
-        """Apply the outer step with the averaged Δ, unless Δ is not finite (then every peer rejects it alike)."""
-        with self.averager.pseudo_grads() as averaged:
-            if not all(torch.isfinite(d).all() for d in averaged):
-                result.error = "the averaged pseudo-gradient is not finite: round rejected"
-                return False
-            self.state.apply(averaged, num_contributions=result.group_size, members=result.peers)
-            if self.error_feedback is not None:
-                self.error_feedback.commit()
-        self.replica.load(self.state.params)
-        self.tokens_since_commit, self.work_round = 0, self.round
-        if self.membership is not None:
-            self.membership.state_changed()
-        return True
-
     def _log_round(self, result, committed: bool, train_loss: float, tokens: int, steps: int, timing: dict) -> None:
         deadlines = getattr(self.averager, "deadlines", None)  # a mocked averager has none
         deadline = deadlines.allreduce_timeout if deadlines is not None else None
@@ -392,23 +394,23 @@ class Peer:
             ev = f", eval {record['eval/loss']:.4f}" if "eval/loss" in record else ""
             self.log.info(f"round {self.round}: group {result.group_size}, train loss {train_loss:.4f}{ev}, "
                           f"all-reduce {result.seconds:.2f} s, sent {result.bytes_sent / 1e6:.2f} MB, "
-                          f"{_throughput(record)}")
+                          f"{throughput_text(record)}")
         else:
             self.log.warning(f"round {self.round + 1} not committed ({result.error}); θ_global kept, "
                              f"training continues from θ_local")
 
-    def _report(self, result, tokens: int) -> None:
+    def _report(self, result) -> None:
         """What the roster shows about our work (published with the next heartbeat or state change): our speed
         over recent rounds (averaging excluded), tokens trained, the last all-reduce."""
-        self.tokens_trained += tokens
         if self.membership is not None:
             self.membership.work.update(steps_per_s=self.pace.steps_per_s, tokens_per_s=self.pace.tokens_per_s,
                                         tokens_trained=self.tokens_trained, last_allreduce_s=result.seconds,
                                         last_bytes=result.bytes_sent + result.bytes_received)
 
     def _evaluate(self) -> float:
-        """Held-out loss of θ_global (θ_local equals θ_global whenever this is called)."""
-        return evaluate(self.model, self.data.eval_batches, self.device)
+        """Held-out loss of θ_global."""
+        with self.exchange.global_in_model():
+            return evaluate(self.model, self.data.eval_batches, self.device)
 
     # ------------------------------------------------------------------------------------------------ state
     def checkpoint_state(self) -> dict:
@@ -417,18 +419,20 @@ class Peer:
                 "data": self.data.train.state_dict(), "data_ranks": self.replica.data_states(),
                 "tokens_since_commit": self.tokens_since_commit, "work_round": self.work_round,
                 "tokens_trained": self.tokens_trained, "config": asdict(self.cfg),
-                "error_feedback": self.error_feedback.state_dict() if self.error_feedback is not None else None}
+                "error_feedback": self.error_feedback.state_dict() if self.error_feedback is not None else None,
+                "overlap": self.exchange.state_dict()}
 
     def save(self) -> None:
         with self.state.lock:
             save_checkpoint(self.run_dir, self.checkpoint_state())
 
     def export(self) -> None:
-        """θ_global as a Hugging Face folder, ``run_dir/exports/round-NNNNNN`` (θ_local equals θ_global here)."""
+        """θ_global as a Hugging Face folder, ``run_dir/exports/round-NNNNNN``."""
         from p2p_diloco.ops.export import export_path, save_hf_folder
 
         path = export_path(self.run_dir, self.round)
-        save_hf_folder(self.model, self.cfg, path, info={"round": self.round, "peer": self.name})
+        with self.exchange.global_in_model():
+            save_hf_folder(self.model, self.cfg, path, info={"round": self.round, "peer": self.name})
         self.metrics.log({"event": "export", "peer": self.name, "round": self.round, "path": str(path)})
         self.log.info(f"round {self.round}: θ_global exported to {path}")
 
@@ -442,7 +446,8 @@ class Peer:
                 from p2p_diloco.ops.export import hf_tokenizer
 
                 self._sampler = Generator(self.model, hf_tokenizer(self.cfg, self.cfg.model.seq_len), self.name)
-            text = sample(self._sampler, prompt, samples=1, max_new_tokens=SAMPLE_TOKENS, seed=0)[0]
+            with self.exchange.global_in_model():
+                text = sample(self._sampler, prompt, samples=1, max_new_tokens=SAMPLE_TOKENS, seed=0)[0]
         except Exception as e:  # noqa: BLE001 - a sample is for people watching: it must not stop training
             self.log.warning(f"round {self.round}: text sample failed: {e!r}")
             return
@@ -464,6 +469,7 @@ class Peer:
         self.tokens_trained = saved.get("tokens_trained", 0)  # absent from checkpoints of earlier versions
         if saved.get("error_feedback") is not None and self.error_feedback is not None:
             self.error_feedback.load_state_dict(saved["error_feedback"])
+        self.exchange.load_state_dict(saved.get("overlap"))  # the all-reduce that was in flight counts as failed
         return True
 
     # ------------------------------------------------------------------------------------------------ close
@@ -474,6 +480,11 @@ class Peer:
             return
         self._closed = True
         try:
+            if self._ready:  # overlap: an all-reduce in flight is finished (others need our parts), committed if good
+                try:
+                    self._drain()
+                except Exception as e:  # noqa: BLE001 - a rank of ours died: we must still announce that we leave
+                    self.log.warning(f"the all-reduce in flight could not be settled on leaving: {e!r}")
             if self.membership is not None:
                 self.membership.leave()  # others stop counting us and stop waiting for us
             if self._ready and self.cfg.run.checkpoint_every:
@@ -488,12 +499,3 @@ class Peer:
                 self.dht.shutdown()
             self.metrics.close()
 
-
-def _throughput(record: dict) -> str:
-    """'12,345 tokens/s, MFU 41.2 %, peak 17.3 GiB' from a round record (the parts the device can tell)."""
-    text = f"{record['train/tokens_per_s']:,.0f} tokens/s"
-    if record.get("train/mfu") is not None:
-        text += f", MFU {100 * record['train/mfu']:.1f} %"
-    if record.get("device/peak_memory_gb") is not None:
-        text += f", peak {record['device/peak_memory_gb']:.1f} GiB"
-    return text

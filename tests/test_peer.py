@@ -46,11 +46,25 @@ class FakeAverager:
             self.buffers[0].view(-1)[0] = float("nan")
         return AverageResult(ok=True, group_size=1, peers=[contribution.name], tokens=contribution.tokens)
 
+    def start_average(self, contribution, weight):
+        return Ready(contribution, self.average(contribution, weight))
+
     def observe_round(self, seconds):
         pass
 
     def close(self):
         pass
+
+
+class Ready:
+    """An all-reduce whose outcome is known when it starts (the fake's); the peer takes it when it settles."""
+    waited = 0.0
+
+    def __init__(self, contribution, result):
+        self.contribution, self._result = contribution, result
+
+    def result(self):
+        return self._result
 
 
 def _peer(tmp_path, outcomes, rounds, error_feedback=False, **extra):
@@ -268,3 +282,95 @@ def test_error_feedback_adds_the_last_committed_residual_and_is_checkpointed(tmp
     assert resumed.round == 2
     assert all(torch.equal(r, torch.full_like(r, 0.003)) for r in resumed.error_feedback.residual)
     resumed.close()
+
+
+# ---------------------------------------------------------------------------------------------- overlap
+def _rounds(tmp_path) -> list[dict]:
+    import json
+
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == "round"]
+
+
+@pytest.mark.parametrize("mode", ["delayed", "eager"])
+def test_overlap_commits_each_average_one_round_late(tmp_path, mode):
+    """With overlap the all-reduce of round t is committed at the end of round t+1 (the last one after the last
+    round); each contribution is one round's work, relative to the θ_global of its round; θ_global is the outer step
+    applied to the averages, exactly as without overlap; at the end θ_local is θ_global."""
+    peer, fake = _peer(tmp_path, ["ok"] * 3, rounds=3, **{"diloco.overlap": mode, "run.eval_every": "1"})
+    theta0 = [p.clone() for p in peer.state.params]
+    peer.run()
+    assert peer.round == 3
+    assert [c.round for c, _, _ in fake.calls] == [0, 1, 2]
+    assert all(c.tokens == w == 3 * 2 * 32 for c, w, _ in fake.calls)  # one round's work each
+    reference = [p.clone() for p in theta0]
+    outer = OuterNesterov(reference, *auto_outer(1, 3))  # the defaults: 'auto' for 1 expected peer
+    for _, _, delta in fake.calls:
+        outer.step(reference, delta)
+    assert params_digest(peer.state.params) == params_digest(reference)
+    assert params_digest(peer.model.parameters()) == params_digest(peer.state.params)
+    rounds = _rounds(tmp_path)
+    assert [(r["round"], r["committed"]) for r in rounds] == [(1, True), (2, True), (3, True)]
+    assert rounds[-1]["train/tokens"] == 0 and "eval/loss" in rounds[-1]  # the drained last all-reduce
+    assert peer.tokens_since_commit == 0 and peer.tokens_trained == 3 * 3 * 2 * 32
+    peer.close()
+
+
+class StopAtSecond(FakeAverager):
+    """Asks the peer to stop once its second all-reduce is under way (a SIGTERM arriving then)."""
+
+    def start_average(self, contribution, weight):
+        if len(self.calls) == 1:
+            self.peer.stop_event.set()
+        return super().start_average(contribution, weight)
+
+
+def test_overlap_leave_waits_for_the_allreduce_in_flight_and_a_resume_carries_its_work(tmp_path):
+    """Stopping with an all-reduce in flight: close() waits for it; it fails, so its work is still owed, saved in the
+    checkpoint (θ_global of round 1: nothing half-applied), and goes out again with the resumed peer's next round."""
+    cfg = load_config(overrides={"model.seq_len": "32", "inner.batch_size": "2", "inner.warmup_steps": "2",
+                                 "diloco.inner_steps": "3", "data.eval_batches": "1", "run.threads": "1",
+                                 "run.progress": "false", "run.name": "p0", "run.rounds": "3",
+                                 "diloco.overlap": "delayed", "run.run_dir": str(tmp_path / "run")})
+    fake = StopAtSecond(["ok", "fail"])
+    peer = Peer(cfg, averager=fake).start()
+    fake.bind(peer)
+    fake.peer = peer
+    theta0 = [p.clone() for p in peer.state.params]
+    peer.run()
+    assert peer.round == 1 and len(fake.calls) == 2  # round 1 committed, round 2's all-reduce in flight
+    peer.close()  # waits for it (it fails) and saves
+    reference = [p.clone() for p in theta0]
+    OuterNesterov(reference, *auto_outer(1, 3)).step(reference, fake.calls[0][2])
+    assert params_digest(peer.state.params) == params_digest(reference)
+    sent = [s.clone() for s in peer.exchange.overlap.sent]
+    assert (peer.round, peer.tokens_since_commit) == (1, 3 * 2 * 32)
+    resumed, fake2 = _peer(tmp_path, ["ok", "ok"], rounds=2, **{"diloco.overlap": "delayed"})
+    assert (resumed.round, resumed.tokens_since_commit) == (1, 3 * 2 * 32)
+    assert params_digest(resumed.state.params) == params_digest(reference)
+    assert params_digest(resumed.exchange.overlap.sent) == params_digest(sent)
+    resumed.run()
+    first = fake2.calls[0][0]
+    assert first.round == 1 and first.tokens == 2 * 3 * 2 * 32  # the owed round's work and the new round's
+    assert resumed.round == 2
+    resumed.close()
+
+
+def test_overlap_rebase_keeps_the_work_owed_and_sends_it_next(tmp_path):
+    """Catching up with overlap (after the round's all-reduce was settled): our work not in θ_global, the failed
+    contribution's and this round's, moves onto the run's θ_global and is the next contribution."""
+    peer, _ = _peer(tmp_path, [], rounds=1, **{"diloco.overlap": "delayed"})
+    peer._inner_steps([], 0.0)
+    peer.exchange.settle()  # nothing in flight: this round's work is what goes out next
+    old = [p.clone() for p in peer.state.params]
+    local = [p.detach().clone() for p in peer.model.parameters()]
+    new_state = [t + 0.01 * torch.randn_like(t) for t in peer.state.tensors()]
+    peer.membership = FakeMembership(peer, 2, new_state)
+    peer._catch_up([])
+    peer.membership = None
+    n = len(peer.state.params)
+    for l, o, g, l0, s in zip(peer.model.parameters(), old, new_state[:n], local, peer.exchange.overlap.sent):
+        torch.testing.assert_close(l.detach(), g + (l0 - o), rtol=0, atol=1e-6)
+        torch.testing.assert_close(s, o - l0, rtol=0, atol=1e-6)  # the next contribution: all of it
+    assert peer.round == 2 and peer.tokens_since_commit == 3 * 2 * 32
+    peer.close()

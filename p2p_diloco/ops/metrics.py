@@ -135,3 +135,13 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def throughput_text(record: dict) -> str:
+    """'12,345 tokens/s, MFU 41.2 %, peak 17.3 GiB' from a round record (the parts the device can tell)."""
+    text = f"{record['train/tokens_per_s']:,.0f} tokens/s"
+    if record.get("train/mfu") is not None:
+        text += f", MFU {100 * record['train/mfu']:.1f} %"
+    if record.get("device/peak_memory_gb") is not None:
+        text += f", peak {record['device/peak_memory_gb']:.1f} GiB"
+    return text

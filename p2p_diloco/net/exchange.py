@@ -1,0 +1,197 @@
+"""A round's contribution out and its average back: at once (``diloco.overlap = "none"``), or behind the next
+round's inner steps (``"delayed"``, ``"eager"``; the bookkeeping is train/overlap.py).
+
+At the end of each round's inner steps the peer calls :meth:`Exchange.settle`: the all-reduce in flight, if any, is
+waited for within its deadlines and committed if good; with overlap θ_local is then moved to where the next round
+starts and the contribution that goes out next is set. Once caught up with the run, :meth:`Exchange.start` puts the
+contribution into the averager's buffers and starts its all-reduce in the averager's process (which encodes,
+decodes and reduces; the peer's process does not touch the buffers until the result is taken); without overlap the
+peer settles it at once. With overlap the all-reduce of round t runs while round t+1 trains and is committed at
+round t+1's end, so a peer's committed round lags its training by one round.
+
+Committing is the same in every mode: if the average is finite, θ_global and the outer state take the outer step
+(bit-identical on every member) and error feedback keeps the residual of the committed contribution. Only θ_local
+differs: without overlap it becomes θ_global; with overlap it goes on from θ_global + offset (overlap.py).
+
+A failed all-reduce in flight (a member died, a deadline passed) commits nothing; its contribution stays owed and
+goes out again, with the work of the round trained meanwhile, at the end of that round. While one is in flight the
+buffers are the averager's: catching up with the run (a state download, rebasing) waits for the round's end, when
+the all-reduce has been settled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from p2p_diloco.train.overlap import Overlap
+
+
+@dataclass
+class Settled:
+    """An all-reduce's outcome, as the round loop logs it."""
+    result: object          # net.averaging.AverageResult
+    committed: bool
+    waited_s: float         # how long the round loop was blocked on it
+    ended: float            # time.perf_counter() when its result was taken
+
+
+class Exchange:
+    """The averaging step of one peer's rounds; ``peer`` is the :class:`~p2p_diloco.peer.Peer` it belongs to."""
+
+    def __init__(self, peer, mode: str):
+        self.peer = peer
+        shapes = [p.shape for p in peer.state.params]
+        self.overlap: Optional[Overlap] = Overlap(mode, shapes) if mode != "none" else None
+        self.pending = None         # net.averaging.PendingAverage: the all-reduce in flight
+        self.share = 0.0            # our share of the last committed average's weight (eager)
+        self.peers = max(1, peer.cfg.run.expected_peers)  # the group we expect (eager's share before any commit)
+        self.announced_speed = 0.0  # the inner-step speed we announced with our last contribution (DyLU)
+        self._live_modes: list[str] = []  # the live peers' reachability when it started (explanations)
+
+    @property
+    def overlapped(self) -> bool:
+        return self.overlap is not None
+
+    @property
+    def in_flight(self) -> bool:
+        return self.pending is not None
+
+    # ------------------------------------------------------------------------------------------------ the round
+    def settle(self) -> Optional[Settled]:
+        """End of a round's inner steps: the all-reduce in flight, waited for (within its deadlines) and committed
+        if good; with overlap, also where θ_local goes on from and what goes out next. Returns the all-reduce's
+        outcome, or None if none was in flight."""
+        settled = None
+        work = self._work() if self.overlap is not None else None  # against θ_global before any outer step
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            result = pending.result()
+            self._explain(result)
+            committed = result.ok and self._commit(result, pending.contribution.tokens)
+            settled = Settled(result, committed, pending.waited, time.perf_counter())
+        if self.overlap is not None:
+            peer = self.peer
+            share = self.share or 1.0 / self.peers  # before any commit: an equal share
+            self.overlap.advance(work, settled is not None and settled.committed, share,
+                                 peer.state.outer.step_response)
+            self._restart()
+        return settled
+
+    def start(self, live: list) -> None:
+        """This round's contribution into the buffers, and its all-reduce started; returns at once."""
+        from p2p_diloco.net.averaging import Contribution
+
+        peer = self.peer
+        if peer.membership is not None:
+            peer.averager.set_group_size(len(live))
+        self._live_modes = [s.reachability for s in live]
+        self.peers = max(1, len(live)) if live else self.peers
+        with peer.averager.pseudo_grads() as buffers:
+            if self.overlap is None:
+                peer.replica.pseudo_gradient(peer.state.params, buffers)
+            else:  # settle() has set what goes out
+                for b, s in zip(buffers, self.overlap.sent, strict=True):
+                    b.copy_(s)
+            if peer.error_feedback is not None:
+                peer.error_feedback.add_to(buffers)  # what the wire lost of our last committed contribution
+        weight = peer.tokens_since_commit if peer.cfg.diloco.weight_by_tokens else 1.0
+        self.announced_speed = peer.pace.steps_per_s
+        contribution = Contribution(name=peer.name, round=peer.round, digest=peer.state.digest,
+                                    tokens=peer.tokens_since_commit, steps_per_s=self.announced_speed)
+        self.pending = peer.averager.start_average(contribution, weight)
+
+    def _work(self) -> list[torch.Tensor]:
+        work = [torch.empty_like(p) for p in self.peer.state.params]
+        self.overlap.work(self.peer.state.params, self.peer.replica.params, work)
+        return work
+
+    def _restart(self) -> None:
+        self.overlap.restart(self.peer.replica.params, self.peer.state.params)
+        self.peer.replica.broadcast_local()  # θ_local changed on rank 0 only
+
+    def _explain(self, result) -> None:
+        """Name the cause and the fix of a failed round when it is reachability."""
+        peer = self.peer
+        if not result.ok and peer.membership is not None:
+            from p2p_diloco.net.reachability import explain_no_group
+
+            result.error = explain_no_group(peer.membership.reachability, self._live_modes,
+                                            peer.relay_issue) or result.error
+
+    def _commit(self, result, tokens: int) -> bool:
+        """The outer step with the averaged Δ, unless Δ is not finite (then every member rejects it alike)."""
+        peer = self.peer
+        with peer.averager.pseudo_grads() as averaged:
+            if not all(torch.isfinite(d).all() for d in averaged):
+                result.error = "the averaged pseudo-gradient is not finite: round rejected"
+                return False
+            peer.state.apply(averaged, num_contributions=result.group_size, members=result.peers)
+            if peer.error_feedback is not None:
+                peer.error_feedback.commit()
+        if self.overlap is None:
+            peer.replica.load(peer.state.params)
+            peer.tokens_since_commit, peer.work_round = 0, peer.round
+        else:  # the work of the round just trained is not in this average: it goes out next
+            self.share = tokens / result.tokens if peer.cfg.diloco.weight_by_tokens and result.tokens else \
+                1.0 / max(1, result.group_size)
+            peer.tokens_since_commit -= tokens
+            peer.work_round = peer.round - 1
+        if peer.membership is not None:
+            peer.membership.state_changed()
+        return True
+
+    # ------------------------------------------------------------------------------------------------ catching up
+    def local_work(self, out) -> None:
+        """All our work not yet in θ_global, into ``out``: θ_global − θ_local, or with overlap what goes out next
+        plus what was trained since."""
+        peer = self.peer
+        if self.overlap is None:
+            peer.replica.pseudo_gradient(peer.state.params, out)
+            return
+        self.overlap.work(peer.state.params, peer.replica.params, out)
+        for o, s in zip(out, self.overlap.sent, strict=True):
+            o.add_(s)
+
+    def moved(self, work) -> None:
+        """θ_global was replaced by the run's and ``work`` (from :meth:`local_work`) is rebased onto it
+        (θ_local ← θ_global − work): it is what we contribute next. In both overlap modes θ_local then holds our
+        whole work as plain DiLoCo would (eager's head start is not taken on a rebased round)."""
+        if self.overlap is not None:
+            for s, o, w in zip(self.overlap.sent, self.overlap.offset, work, strict=True):
+                s.copy_(w)
+                torch.neg(w, out=o)
+
+    def dropped(self) -> None:
+        """θ_global was replaced by the run's and our work dropped: θ_local is θ_global, nothing is owed."""
+        if self.overlap is not None:
+            self.overlap.drop()
+
+    # ------------------------------------------------------------------------------------------------ θ_global
+    @contextlib.contextmanager
+    def global_in_model(self):
+        """The model (rank 0's) holds θ_global inside this block (evaluation, export, samples); with overlap
+        θ_local, which is θ_global + offset between rounds, is put back after (the same bytes: same operands)."""
+        from p2p_diloco.train.transfer import load_params
+
+        peer = self.peer
+        if self.overlap is not None:
+            load_params(peer.replica.params, peer.state.params)
+        try:
+            yield
+        finally:
+            if self.overlap is not None:
+                self.overlap.restart(peer.replica.params, peer.state.params)
+
+    def state_dict(self) -> Optional[dict]:
+        return self.overlap.state_dict() if self.overlap is not None else None
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        """A resumed peer: the all-reduce that was in flight when the checkpoint was written counts as failed (its
+        contribution is owed again; if the others committed it with us, catching up finds that and drops it)."""
+        if self.overlap is not None and state is not None:
+            self.overlap.load_state_dict(state)
