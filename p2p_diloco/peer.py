@@ -40,12 +40,12 @@ from p2p_diloco.net.exchange import Exchange
 from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.ops.faults import HOLD_FILE, parse_fault
 from p2p_diloco.ops.metrics import MetricsSink, build_sink, throughput_text
-from p2p_diloco.train.dylu import PROBE_STEPS, PaceMeter, RoundPlan, plan_round, schedule_position
 from p2p_diloco.train.global_state import GlobalState
-from p2p_diloco.train.inner import RoundSteps, evaluate, progress_bar
+from p2p_diloco.train.inner import evaluate
 from p2p_diloco.train.model import count_parameters, model_fingerprint
 from p2p_diloco.train.outer import build_outer_optimizer, rebase, resolve_auto
 from p2p_diloco.train.replica import Replica, build_training, join_ranks, share_setup
+from p2p_diloco.train.rounds import InnerRounds
 from p2p_diloco.train.transfer import host_copy
 
 logger = logging.getLogger("p2p_diloco")
@@ -69,9 +69,7 @@ class Peer:
         self.tokens_since_commit = 0  # weight of the next contribution
         self.work_round = 0  # the round of θ_global our uncommitted local work began from (its staleness)
         self.tokens_trained = 0  # tokens of all inner steps this peer has run in this run
-        self.pace = PaceMeter()  # our inner-step speed (DyLU)
-        self._group_clock = None  # (when our last committed all-reduce ended, its members' speeds): DyLU's next round
-        self._struck = None  # the round an inner-phase fault struck in
+        self.rounds = InnerRounds(self, self._publish_pace)  # each round's inner steps, planned by DyLU
         self.metrics: MetricsSink = MetricsSink()
         self._sampler = None  # ops.generate.Generator over self.model, made at the first text sample
         self.log = logger
@@ -236,7 +234,7 @@ class Peer:
         # DyLU plans the next round from what the group shares: the moment its all-reduce ended and its speeds (with
         # overlap that moment falls inside the next round: each peer plans from its own clock instead)
         shared = committed and result.speeds and not self.exchange.overlapped
-        self._group_clock = (settled.ended, result.speeds) if shared else None
+        self.rounds.group_clock = (settled.ended, result.speeds) if shared else None
         self._log_round(result, committed, train_loss, tokens, steps, timing)
         self._report(result)
         if committed:
@@ -311,68 +309,18 @@ class Peer:
 
     # ------------------------------------------------------------------------------------------------ inner steps
     def _inner_steps(self, live_roster, round_start: float) -> tuple[float, int, int]:
-        """This round's inner steps on θ_local; returns (mean loss, tokens, steps). DyLU: about as many as our
-        measured speed allows next to the fastest live peer's, within the round's time budget (train/dylu.py); with no
-        measurement yet, a few timed steps come first. Stops early, between steps, if asked to."""
-        H = self.cfg.diloco.inner_steps
-        work = RoundSteps(progress_bar(H, f"{self.name} r{self.round + 1}", self.cfg.run.progress))
-        if self._dylu and not self.pace.measured:  # a new peer: its own short measurement, counted as training
-            self._train(RoundPlan(min(PROBE_STEPS, H)), H, work)
-            self._report_pace(work.probe_rate())
-            live_roster = self._live_roster()  # the others' speeds, as of now
-        own, others, round_start = self._pace_plan(live_roster, round_start)
-        plan = plan_round(own, others, H, self.cfg.diloco.min_inner_steps, self._dylu, round_start)
-        work.plan(plan.steps)
-        self._train(plan, plan.steps, work)
-        self._inner_fault(work.steps, 0)  # a round that ended before its halfway step still gets its fault
-        work.close()
+        """This round's inner steps (train/rounds.py); returns (mean loss, tokens, steps)."""
+        work = self.rounds.run(live_roster, round_start)
         self.tokens_since_commit += work.tokens
-        self.pace.add(work.steps, work.tokens, work.seconds)
         return work.mean_loss, work.tokens, work.steps
 
-    def _pace_plan(self, live_roster, round_start: float) -> tuple[float, list[float], float]:
-        """(our speed, the others', the round's start) to plan from: after a committed round, what every member of
-        its group knows alike (the speeds announced in it, the moment it ended), so all end the round together; else
-        our measurement, the live roster's and our own round start."""
-        if self._group_clock is not None:
-            averaged_at, speeds = self._group_clock
-            return self.exchange.announced_speed or self.pace.steps_per_s, speeds, averaged_at
-        return self.pace.steps_per_s, [s.steps_per_s for s in live_roster if s.peer_id != self.peer_id], round_start
+    def _publish_pace(self, pace) -> None:
+        self.membership.work.update(steps_per_s=pace.steps_per_s, tokens_per_s=pace.tokens_per_s)
+        self.membership.publish()
 
     @property
-    def _dylu(self) -> bool:
-        return self.cfg.diloco.dylu and self.membership is not None
-
-    def _train(self, plan: RoundPlan, planned: int, work: RoundSteps) -> None:
-        """Inner steps while ``plan`` asks for more (a round of about ``planned``), each slowed down by
-        ``fault.slowdown`` (sleeping after it)."""
-        slowdown = self.cfg.fault.slowdown
-        while not self.stop_event.is_set() and plan.more(work.steps, time.perf_counter(), work.last_step_s):
-            self._inner_fault(work.steps, planned // 2)
-            t0 = time.perf_counter()
-            out = self.replica.step(self.data.train.next_batch, self._schedule_step(work.steps, planned))
-            if slowdown > 1:
-                self.stop_event.wait((slowdown - 1) * (time.perf_counter() - t0))
-            work.add(out.loss, out.tokens, time.perf_counter() - t0)
-
-    def _inner_fault(self, done: int, at: int) -> None:
-        """Fault injection (tests): strike once per round, halfway through its planned inner steps."""
-        if self.fault is None or done < at or self._struck == self.round + 1:
-            return
-        if self.fault.due("inner", self.round + 1):
-            self._struck = self.round + 1
-            self.fault.strike()
-
-    def _schedule_step(self, step_in_round: int, planned: int) -> Optional[float]:
-        if self.cfg.inner.lr_clock == "steps":
-            return None  # InnerTrainer counts our own steps
-        return schedule_position(self.round, min(step_in_round, planned), planned, self.cfg.diloco.inner_steps)
-
-    def _report_pace(self, probe_rate: Optional[tuple[int, int, float]]) -> None:
-        if probe_rate is not None:
-            self.pace.add(*probe_rate)
-            self.membership.work.update(steps_per_s=self.pace.steps_per_s, tokens_per_s=self.pace.tokens_per_s)
-            self.membership.publish()  # others plan with it from now on
+    def pace(self):
+        return self.rounds.pace
 
     def _log_round(self, result, committed: bool, train_loss: float, tokens: int, steps: int, timing: dict) -> None:
         deadlines = getattr(self.averager, "deadlines", None)  # a mocked averager has none
