@@ -327,7 +327,8 @@ class Peer:
         deadline = deadlines.allreduce_timeout if deadlines is not None else None
         record = {"event": "round", "peer": self.name, "round": self.round, "committed": committed,
                   "outer/group_size": result.group_size, "outer/peers": result.peers, "train/loss": train_loss,
-                  "train/tokens": tokens, "train/inner_steps": steps, "outer/allreduce_s": result.seconds,
+                  "train/tokens": tokens, "train/inner_steps": steps,
+                  "train/planned_steps": self.rounds.planned if steps else 0, "outer/allreduce_s": result.seconds,
                   "outer/allreduce_only_s": result.allreduce_seconds, "outer/allreduce_timeout_s": deadline,
                   "outer/bytes_sent": result.bytes_sent, "outer/bytes_received": result.bytes_received,
                   "global_params_sha256": self.state.params_digest, "state_sha256": self.state.digest,

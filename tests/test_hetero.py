@@ -37,9 +37,10 @@ def test_dylu_and_late_peers_rebase_while_every_round_agrees(tmp_path, process_t
     # DyLU: the 3x slower peer runs fewer inner steps, and both commit every round until the late peers come back
     # (then a group may close before the slow peer arrives: it rebases and rejoins like them)
     assert all(n in rounds["peer0"] and n in rounds["peer1"] for n in range(1, 5)), (rounds["peer0"], rounds["peer1"])
-    # (over those rounds together: on a loaded machine one round's plan may end both at the first speed probe)
-    steps = {name: [rounds[name][n]["train/inner_steps"] for n in range(1, 5)] for name in ("peer0", "peer1")}
-    assert sum(steps["peer1"]) < 0.7 * sum(steps["peer0"]), f"inner steps per round (fast, slow): {steps}"
+    # (DyLU's plan H_i from the measured speeds, over rounds 2-4 together; the steps a peer actually runs also follow
+    # the round's time budget, which CPU contention among the test's processes on 2 cores can stretch or cut)
+    planned = {name: [rounds[name][n]["train/planned_steps"] for n in range(2, 5)] for name in ("peer0", "peer1")}
+    assert sum(planned["peer1"]) < 0.7 * sum(planned["peer0"]), f"planned steps per round (fast, slow): {planned}"
     # the frozen and the restarted peer kept their work: rebased, then contributed it and committed with the run
     for name, work_round in (("peer2", 1), ("peer3", 1)):
         rebases = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if r.get("event") == "rebase"]

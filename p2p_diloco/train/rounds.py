@@ -23,6 +23,7 @@ class InnerRounds:
         self.pace = PaceMeter()  # our inner-step speed (DyLU)
         self.group_clock = None  # (when our last committed all-reduce ended, its members' speeds): DyLU's next round
         self._struck = None  # the round an inner-phase fault struck in
+        self.planned = 0  # H_i of the last round: the steps DyLU planned from the measured speeds (H without DyLU)
 
     @property
     def dylu(self) -> bool:
@@ -44,6 +45,7 @@ class InnerRounds:
         own, others, round_start = self._pace_plan(live_roster, round_start)
         plan = plan_round(own, others, H, peer.cfg.diloco.min_inner_steps, self.dylu, round_start)
         work.plan(plan.steps)
+        self.planned = plan.steps
         self._train(plan, plan.steps, work)
         self._inner_fault(work.steps, 0)  # a round that ended before its halfway step still gets its fault
         work.close()
