@@ -24,6 +24,7 @@ import asyncio
 import logging
 import os
 import re
+import time
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Optional, Sequence
@@ -132,6 +133,9 @@ def run_prefix(run_id: str, fingerprint: str) -> str:
     return f"{safe_run_id(run_id)}_{fingerprint}"
 
 
+JOIN_RETRY_S = 2.0  # between attempts to reach the initial peers when p2pd fails at once (within join_timeout)
+
+
 def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_reachability: Optional[str] = None,
               relays: Sequence[str] = ()) -> DHT:
     """Start a DHT node from the [network] section; raise JoinError (one line) if it cannot join in time.
@@ -161,19 +165,24 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
         trusted_relays=list(relays) or None,
     )
     flags = {"relayDataLimit": cfg.relay_data_limit, "relayTimeLimit": f"{round(cfg.relay_time_limit * 1000)}ms"}
-    try:
-        dht = DHT(start=True, await_ready=False, p2pd_flags=flags, **kwargs)
-        dht.wait_until_ready(timeout=cfg.join_timeout + 5)
-    except TimeoutError:
-        dht.shutdown()
-        raise JoinError(f"could not join the swarm within {cfg.join_timeout:.0f} s "
-                        f"(network.initial_peers={','.join(cfg.initial_peers)})") from None
-    except (P2PDaemonError, OSError, ValueError) as e:
-        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        if "bootstrap" in msg.lower() or "connect" in msg.lower():
-            msg = f"no initial peer reachable ({','.join(cfg.initial_peers)}): {msg}"
-        raise JoinError(msg) from None
-    return dht
+    deadline = time.monotonic() + cfg.join_timeout
+    while True:
+        try:
+            dht = DHT(start=True, await_ready=False, p2pd_flags=flags, **kwargs)
+            dht.wait_until_ready(timeout=cfg.join_timeout + 5)
+            return dht
+        except TimeoutError:
+            dht.shutdown()
+            raise JoinError(f"could not join the swarm within {cfg.join_timeout:.0f} s "
+                            f"(network.initial_peers={','.join(cfg.initial_peers)})") from None
+        except (P2PDaemonError, OSError, ValueError) as e:
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            if "bootstrap" not in msg.lower() and "connect" not in msg.lower():
+                raise JoinError(msg) from None
+            if time.monotonic() + JOIN_RETRY_S >= deadline:  # p2pd refused at once: the peer may be restarting
+                raise JoinError(f"no initial peer reachable ({','.join(cfg.initial_peers)}): {msg}") from None
+            logger.info(f"no initial peer reachable yet ({msg}); trying again in {JOIN_RETRY_S:.0f} s")
+            time.sleep(JOIN_RETRY_S)  # the network or the initial peer outside this process: no event to wait on
 
 
 def reconnect(dht: hivemind.DHT, maddrs: Sequence[str], timeout: float) -> int:
