@@ -252,17 +252,9 @@ def publish_status(dht: hivemind.DHT, prefix: str, status: PeerStatus, ttl: floa
 
 def read_roster(dht: hivemind.DHT, prefix: str, timeout: float) -> list[PeerStatus]:
     """Every unexpired peer status of the run (malformed entries are skipped); [] if the DHT does not answer."""
-    future = dht.get(roster_key(prefix), latest=True, return_future=True)
-    try:
-        found = future.result(timeout=timeout)
-    except Exception as e:
-        logger.debug(f"reading the roster failed: {e!r}")
-        return []
-    if found is None or not isinstance(found.value, dict):
-        return []
     known = {f.name for f in fields(PeerStatus)}
     roster = []
-    for entry in found.value.values():
+    for entry in _read_subkeys(dht, roster_key(prefix), timeout, "the roster").values():
         try:  # fields this version does not know (a newer peer's) are ignored; missing ones take their default
             roster.append(PeerStatus(**{k: v for k, v in entry.value.items() if k in known}))
         except (TypeError, AttributeError):
@@ -342,13 +334,6 @@ def publish_finished(dht: hivemind.DHT, prefix: str, peer_id: str, name: str, ro
 
 def read_finished(dht: hivemind.DHT, prefix: str, timeout: float) -> list[tuple[str, int]]:
     """(name, round) of every peer that left after training the whole run; [] if none or no answer."""
-    future = dht.get(f"{prefix}.finished", latest=True, return_future=True)
-    try:
-        found = future.result(timeout=timeout)
-    except Exception as e:
-        logger.debug(f"reading finished peers failed: {e!r}")
-        return []
-    if found is None or not isinstance(found.value, dict):
-        return []
-    return [(str(e.value["name"]), int(e.value["round"])) for e in found.value.values()
+    entries = _read_subkeys(dht, f"{prefix}.finished", timeout, "finished peers").values()
+    return [(str(e.value["name"]), int(e.value["round"])) for e in entries
             if isinstance(e.value, dict) and "name" in e.value and isinstance(e.value.get("round"), int)]
