@@ -1,8 +1,8 @@
 """One run, many kinds of peer: the run's shared settings, published in the DHT by its peers, adopted or checked by
 every peer that joins.
 
-A config key is either a *run setting* (``shared=True`` in config.py: the model, tokenizer, data source, inner lr
-schedule, the outer setup, codec, group sizes, run id, rounds, seed), which every peer of a run must hold equal, or
+A config key is either a *run setting* (``shared=True`` in config/sections.py: the model, tokenizer, data source,
+inner lr schedule, the outer setup, codec, group sizes, run id, rounds, seed), which every peer of a run must hold equal, or
 a *machine setting* (device, micro-batch and gradient accumulation, threads, network, timeouts, paths), each
 machine's own. Every peer publishes its run settings under ``{safe_run_id}.config`` (net/dht.py). A peer that
 joins reads them before building its model:
