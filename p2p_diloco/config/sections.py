@@ -262,6 +262,13 @@ class FaultConfig:
     slowdown: float = _f(1.0, "stretch every inner step by this factor, sleeping (F - 1) x its compute time after "
                          "it, so a peer behaves like a slower machine (heterogeneity tests and benchmarks)", "x",
                          lambda x: x >= 1, "must be >= 1")
+    attack: Optional[str] = _f(None, "make this member attack the run (security tests and benchmarks/robust.py): "
+                               "nan (NaN in its contribution), shape (a part of the wrong size), weight (a weight "
+                               "1000 x its tokens), flip (its pseudo-gradient x -1000), random (a random direction at "
+                               "1000 x its norm), stale (the pseudo-gradient of 5 rounds ago), equivocate (as a "
+                               "reducer, different averaged bytes to different peers); None: an honest member",
+                               choices=("nan", "shape", "weight", "flip", "random", "stale", "equivocate"))
+    attack_from: int = _f(1, "the first round fault.attack strikes in", "round", _positive, "must be > 0")
 
 
 @dataclass
