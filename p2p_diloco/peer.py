@@ -163,7 +163,9 @@ class Peer:
         self.log.info(f"reachability: {choice.reason}; taking part as {choice.mode}")
         prefix = run_prefix(self.cfg.run.run_id, self.fingerprint)
         self.averager = Averager(self.dht, self.cfg.averaging, prefix, [p.shape for p in self.state.params],
-                                 client_mode=choice.mode == "client", fault=self.fault)
+                                 client_mode=choice.mode == "client", fault=self.fault,
+                                 equivocate_from=self.cfg.fault.attack_from if self.cfg.fault.attack == "equivocate"
+                                 else None)
         self.membership = Membership(self.cfg, self.dht, self.averager, prefix, self.name, self.state,
                                      self.fingerprint, self.metrics, self.stop_event, self.log,
                                      reachability=choice.mode)

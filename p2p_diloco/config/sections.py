@@ -151,6 +151,14 @@ class AveragingConfig:
                                       choices=("scaled_fp16", "fp16", "fp32", "int8", "int4", "e3m0"), shared=True)
     error_feedback: bool = _f(False, "add what the codec lost of this peer's last committed contribution to its "
                               "next one (local state, checkpointed; one more copy of the model in memory)")
+    verify_parts: bool = _f(True, "reducer checks: before committing a round, every member compares the sha256 of "
+                            "the averaged parts it received from each reducer with every other member's; a reducer "
+                            "that sent different bytes to different members fails the round and is named (cost: "
+                            "BENCHMARKS.md, reducer checks)", shared=True)
+    max_share: float = _f(2.0, "most of the vector one member reduces, as a multiple of an equal share (1 / the "
+                          "members that can reduce): a declared bandwidth cannot get it more (up to one part more, "
+                          "from part boundaries); 1: equal shares", "x equal share", lambda x: x >= 1,
+                          "must be >= 1", shared=True)
 
 
 @dataclass

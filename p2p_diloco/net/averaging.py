@@ -48,6 +48,8 @@ from p2p_diloco.config import AveragingConfig
 from p2p_diloco.net.codecs import ErrorFeedback
 from p2p_diloco.net.consensus import majority_state
 from p2p_diloco.net.deadlines import DeadlineEstimator
+from p2p_diloco.net.reducer_checks import capped_fractions, sane_bandwidths
+from p2p_diloco.net.verify import PartVerifier
 from p2p_diloco.net.wire import WireCodec, payload_bytes
 from p2p_diloco.ops.procs import become_child_process
 
@@ -91,14 +93,19 @@ def choose_participants(contributions: Sequence[Contribution]) -> list[int]:
     return [i for i, c in enumerate(contributions) if (c.round, c.digest) == best and c.tokens > 0]
 
 
-class CanonicalAverager(DecentralizedAverager):
-    """DecentralizedAverager running :class:`CanonicalAllReduceRunner`; its process dies with its parent."""
+class CanonicalAverager(PartVerifier, DecentralizedAverager):
+    """DecentralizedAverager running :class:`CanonicalAllReduceRunner`; its process dies with its parent. With
+    ``verify_parts``, members compare the digests of the averaged parts they received before a round counts
+    (net/verify.py); ``max_share`` caps the share of the vector one member reduces (net/reducer_checks.py)."""
 
     def __init__(self, *args, codec: WireCodec, average_codec: WireCodec, min_participants: int, fault=None,
+                 verify_parts: bool = False, max_share: float = float("inf"), equivocate_from: Optional[int] = None,
                  **kwargs):
         self._average_codec = average_codec
         self._min_participants = min_participants
         self._fault = fault
+        self._verify_parts_on, self._max_share, self._equivocate_from = verify_parts, max_share, equivocate_from
+        self._verifications = {}
         self.state_provider = None  # set in the host process: () -> (metadata dict, tensors)
         super().__init__(*args, compression=codec, **kwargs)
 
@@ -107,6 +114,8 @@ class CanonicalAverager(DecentralizedAverager):
         super().run()
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, weight: float, **kwargs):
+        self._verify_until = time.monotonic() + self._allreduce_timeout - 1.0  # inside the step's own deadline
+        verification, error = None, None
         try:
             bandwidths, mode_ids, gathered = zip(*map(self.serializer.loads, group_info.gathered))
             contributions = [Contribution(**self.serializer.loads(g)) for g in gathered]
@@ -119,19 +128,32 @@ class CanonicalAverager(DecentralizedAverager):
                            speeds=[c.steps_per_s for c in contributions])
             if len(members) < self._min_participants:
                 raise AllreduceException(f"only {len(members)} of {len(contributions)} members agree on θ_global")
-            download_bandwidths = [b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)]
-            peer_fractions = await asyncio.get_event_loop().run_in_executor(
+            download_bandwidths = sane_bandwidths(
+                [b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)])
+            sizes = await asyncio.get_event_loop().run_in_executor(
                 None, load_balance_peers, self.total_size, download_bandwidths, min_vector_size)
-            fault = self._fault if self._fault and self._fault.due("allreduce", contributions[me].round + 1) else None
+            peer_fractions = capped_fractions(sizes, [b != 0.0 for b in download_bandwidths], self._max_share)
+            round_ = contributions[me].round + 1
+            fault = self._fault if self._fault and self._fault.due("allreduce", round_) else None
+            equivocate = self._equivocate_from is not None and round_ >= self._equivocate_from
+            if self._verify_parts_on:
+                verification = self._open_verification(group_info, [c.name for c in contributions], modes)
             started = time.monotonic()
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
-                sent, received = await self._run_allreduce_inplace_(
+                sent, received, digests = await self._run_allreduce_inplace_(
                     local_tensors, group_info, peer_fractions=peer_fractions,
-                    weight=weight if me in members else 0.0, fault=fault, **kwargs)
+                    weight=weight if me in members else 0.0, fault=fault, equivocate=equivocate, **kwargs)
+            if verification is not None:  # the buffers hold the average now, but a failed round is never committed
+                await self._verify_parts(group_info, verification, digests)
             return dict(summary, bytes_sent=sent, bytes_received=received,
                         allreduce_seconds=time.monotonic() - started)
         except BaseException as e:
+            error = e
             raise MatchmakingException(f"all-reduce failed: {e!r}") from None
+        finally:
+            if verification is not None:
+                self._close_verification(group_info.group_id, verification, error)
+            self._verifications.pop(group_info.group_id, None)  # a call's wait for a verification never opened
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
@@ -143,7 +165,7 @@ class CanonicalAverager(DecentralizedAverager):
             tensor.copy_(averaged)  # copy, not add: every peer ends with the same decoded bytes
         if runner.failed_reducers or runner.tensor_part_container.failed_size:
             raise AllreduceException(f"lost parts of reducer(s) {sorted(map(str, runner.failed_reducers))}")
-        return runner.bytes_sent, runner.bytes_received
+        return runner.bytes_sent, runner.bytes_received, runner.part_digests.digests()
 
     # ------------------------------------------------------------------------------------------ state for joiners
     def get_current_state(self):
@@ -221,7 +243,8 @@ class Averager:
     """
 
     def __init__(self, dht, cfg: AveragingConfig, prefix: str, shapes: Sequence[torch.Size], *,
-                 client_mode: bool = False, expected_group_size: Optional[int] = None, fault=None):
+                 client_mode: bool = False, expected_group_size: Optional[int] = None, fault=None,
+                 equivocate_from: Optional[int] = None):
         self.cfg = cfg
         self.client_mode = client_mode
         self.fault = fault
@@ -234,6 +257,7 @@ class Averager:
             buffers, dht, start=True, prefix=prefix, codec=codec, min_participants=cfg.min_group_size,
             average_codec=WireCodec(cfg.average_codec or cfg.codec, cfg.part_size_bytes),
             fault=fault if fault is not None and fault.phase == "allreduce" else None,
+            verify_parts=cfg.verify_parts, max_share=cfg.max_share, equivocate_from=equivocate_from,
             target_group_size=expected_group_size or cfg.target_group_size, min_group_size=cfg.min_group_size,
             min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
             allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
