@@ -152,4 +152,54 @@ def test_an_equivocating_reducer_fails_the_round_on_every_honest_member_and_is_n
     assert all(ok for ok, _, _ in unchecked.values()) and unchecked[0][2] != unchecked[1][2]
     for index in (0, 1):
         ok, error, _ = rounds["equivocating"][index]
-        assert not ok and "reducer p2 sent different averaged bytes" in error, error
+        assert not ok and "reducer p2 (…" in error and "sent different averaged bytes" in error, error
+
+
+# ---------------------------------------------------------------------------------------------------- whole peers
+def _rounds(run_dir, name) -> list[dict]:
+    from p2p_diloco.ops.metrics import read_jsonl
+
+    return [r for r in read_jsonl(run_dir / name / "metrics.jsonl") if r.get("event") == "round"]
+
+
+def _named(run_dir, name, reducer) -> bool:
+    return any(not r["committed"] and f"reducer {reducer} (…" in (r["error"] or "")
+               and "sent different averaged bytes" in r["error"]
+               for r in _rounds(run_dir, name))
+
+
+@pytest.mark.timeout(240)
+def test_peers_never_commit_an_equivocating_reducers_round_and_agree_once_it_is_gone(tmp_path, process_tag):
+    """peer2 equivocates as a reducer from round 2 on (fault.attack=equivocate): both honest peers fail round 2 and
+    name it, every time; once it is gone (SIGTERM) they commit rounds 2 and 3 without it, with one θ_global."""
+    import signal
+    import time
+
+    from p2p_diloco.config import load_config
+    from p2p_diloco.ops.swarm import DEMO_DEFAULTS, LocalSwarm, write_peer_config
+
+    cfg = load_config(defaults={**DEMO_DEFAULTS, "inner.batch_size": 4, "model.seq_len": 32, "data.eval_batches": 1,
+                                "averaging.matchmaking_time": 4.0, "run.checkpoint_every": 0})
+    swarm = LocalSwarm(tmp_path, peer_args=["--run.rounds=3", "--diloco.inner_steps=6", "--run.expected_peers=3",
+                                            *write_peer_config(tmp_path, cfg)])
+    try:
+        swarm.start_bootstrap()
+        for i in range(3):
+            swarm.start_peer(f"peer{i}", ["--fault.attack=equivocate", "--fault.attack_from=2"] if i == 2 else [])
+        deadline = time.monotonic() + 150
+        while not all(_named(tmp_path, n, "peer2") for n in ("peer0", "peer1")):
+            assert time.monotonic() < deadline, "the honest peers did not name the equivocating reducer"
+            assert all(c.proc.poll() is None for c in swarm.peers.values()), "a peer exited early"
+            time.sleep(0.5)  # the peers are other processes: their metrics files are what there is to watch
+        swarm.peers["peer2"].proc.send_signal(signal.SIGTERM)
+        for name in ("peer0", "peer1"):
+            assert swarm.peers[name].proc.wait(timeout=120) == 0
+    finally:
+        swarm.close()
+    honest = {n: [r for r in _rounds(tmp_path, n) if r["committed"]] for n in ("peer0", "peer1")}
+    assert [r["round"] for r in honest["peer0"]] == [r["round"] for r in honest["peer1"]] == [1, 2, 3]
+    for r0, r1 in zip(honest["peer0"], honest["peer1"]):
+        assert r0["global_params_sha256"] == r1["global_params_sha256"], f"round {r0['round']}: θ_global differs"
+        if r0["round"] >= 2:
+            assert sorted(r0["outer/peers"]) == ["peer0", "peer1"], "a round with the attacker was committed"
+    assert not any(r["committed"] and r["round"] >= 2 for r in _rounds(tmp_path, "peer2"))

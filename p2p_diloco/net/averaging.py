@@ -128,16 +128,13 @@ class CanonicalAverager(PartVerifier, DecentralizedAverager):
                            speeds=[c.steps_per_s for c in contributions])
             if len(members) < self._min_participants:
                 raise AllreduceException(f"only {len(members)} of {len(contributions)} members agree on θ_global")
-            download_bandwidths = sane_bandwidths(
-                [b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)])
-            sizes = await asyncio.get_event_loop().run_in_executor(
-                None, load_balance_peers, self.total_size, download_bandwidths, min_vector_size)
-            peer_fractions = capped_fractions(sizes, [b != 0.0 for b in download_bandwidths], self._max_share)
+            peer_fractions = await self._reducer_fractions(bandwidths, modes, min_vector_size)
             round_ = contributions[me].round + 1
             fault = self._fault if self._fault and self._fault.due("allreduce", round_) else None
             equivocate = self._equivocate_from is not None and round_ >= self._equivocate_from
-            if self._verify_parts_on:
-                verification = self._open_verification(group_info, [c.name for c in contributions], modes)
+            if self._verify_parts_on:  # members are named with the end of their (authenticated) peer id
+                labels = [f"{c.name} (…{str(p)[-6:]})" for c, p in zip(contributions, group_info.peer_ids)]
+                verification = self._open_verification(group_info, labels, modes)
             started = time.monotonic()
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 sent, received, digests = await self._run_allreduce_inplace_(
@@ -151,9 +148,15 @@ class CanonicalAverager(PartVerifier, DecentralizedAverager):
             error = e
             raise MatchmakingException(f"all-reduce failed: {e!r}") from None
         finally:
-            if verification is not None:
-                self._close_verification(group_info.group_id, verification, error)
-            self._verifications.pop(group_info.group_id, None)  # a call's wait for a verification never opened
+            self._close_verification(group_info.group_id, verification, error)
+
+    async def _reducer_fractions(self, bandwidths, modes, min_vector_size: int) -> list[float]:
+        """The share of the vector each member reduces: hivemind's load balancing of the declared bandwidths (not
+        a finite number >= 0: undeclared), capped at ``max_share`` x an equal share (net/reducer_checks.py)."""
+        download = sane_bandwidths([b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)])
+        sizes = await asyncio.get_event_loop().run_in_executor(
+            None, load_balance_peers, self.total_size, download, min_vector_size)
+        return capped_fractions(sizes, [b != 0.0 for b in download], self._max_share)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id

@@ -78,14 +78,14 @@ class Verification:
             self.fail(index, f"sent {len(digests)} malformed digests")
             return
         self.views[index] = list(digests)
-        self._check_settled()
+        self.check_settled()
 
     def fail(self, index: int, reason: str) -> None:
         if index not in self.views:
             self.failures.setdefault(index, reason)
-            self._check_settled()
+            self.check_settled()
 
-    def _check_settled(self) -> None:
+    def check_settled(self) -> None:
         if self.expected <= set(self.views) | set(self.failures):
             self.settled.set()
 
@@ -106,6 +106,10 @@ class PartVerifier:
     """Mixin of :class:`~p2p_diloco.net.averaging.CanonicalAverager`: the ``rpc_verify_parts`` handler and
     :meth:`_verify_parts`. Expects ``self._p2p``, ``self.prefix``, ``self._running_groups``, ``self.get_stub``."""
 
+    # hivemind collects a servicer's rpc_* handlers once per class and caches them on it: without these, a class
+    # whose parent (DecentralizedAverager) collected first would inherit the parent's list, without ours
+    _rpc_handlers = None
+    _stub_type = None
     _verifications: dict  # group id -> Verification, or a future of one while a call waits for it to open
     _verify_until: float = 0.0  # time.monotonic() when the all-reduce in progress must be over
 
@@ -119,12 +123,14 @@ class PartVerifier:
             waiting.set_result(v)  # a call that arrived before we opened it
         return v
 
-    def _close_verification(self, group_id, v: Verification, error: Optional[BaseException]) -> None:
-        if not v.own.done():
+    def _close_verification(self, group_id, v: Optional[Verification], error: Optional[BaseException]) -> None:
+        """The group's all-reduce is over: calls still waiting for our digests get an answer now."""
+        if v is not None and not v.own.done():
             v.own.set_exception(AllreduceException(f"its all-reduce failed: {error!r}"[:200]))
             v.own.exception()  # retrieved: no "never retrieved" warning when no call awaited it
-        if self._verifications.get(group_id) is v:
-            del self._verifications[group_id]
+        waiting = self._verifications.pop(group_id, None)
+        if isinstance(waiting, asyncio.Future) and not waiting.done():
+            waiting.set_result(None)  # a call waited for a verification we never opened: it is told so
 
     async def rpc_verify_parts(self, request: averaging_pb2.MessageFromLeader,
                                context: P2PContext) -> averaging_pb2.MessageFromLeader:
@@ -165,6 +171,7 @@ class PartVerifier:
         """Exchange digests with the members we pair with; raise AllreduceException naming the reducer(s) whose
         bytes differ, or the member(s) whose digests are missing, unless every one matches ours."""
         v.own.set_result(own)
+        v.check_settled()  # nobody to pair with (client-mode members only besides us): settled at once
         calls = [asyncio.create_task(self._call_verify(group_info.group_id, v, j))
                  for j in sorted(v.expected) if caller(v.me, j, v.clients)]
         try:
