@@ -6,7 +6,9 @@ Two measurements, each on this machine under its current load, with on and off i
     slowest peer's all-reduce time (the group formed -> the result checked, digests exchanged when on);
   * swarm: a local swarm (3 peers, tiny model) trains ``--rounds`` rounds, ``--runs`` runs per setting alternating;
     per setting, the median over runs of each run's median round time (``time/round_s``) and all-reduce time
-    (``outer/allreduce_only_s``).
+    (``outer/allreduce_only_s``);
+  * digest exchange: in the all-reduce measurement, the time from a member's own digests being ready to its verdict
+    (calls, waiting for the slowest member, comparison), median over members and repetitions.
 Run:
 
     nice -n 10 python benchmarks/reducer_checks.py [--params 1e6 --params 10e6] [--reps 5] [--runs 3] [--rounds 6]
@@ -23,7 +25,25 @@ from common import demo_config, rounds_of, swarm_records, table
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
-def _worker(index: int, initial_peers: list[str], values: int, reps: int, results) -> None:
+def _timed_exchange(exchanges) -> None:
+    """Time each digest exchange (from our digests ready to the verdict) in the averager process, into ``exchanges``."""
+    import time
+
+    from p2p_diloco.net.verify import PartVerifier
+
+    verify = PartVerifier._verify_parts
+
+    async def timed(self, *args):
+        begun = time.perf_counter()
+        try:
+            await verify(self, *args)
+        finally:
+            exchanges.put(time.perf_counter() - begun)
+
+    PartVerifier._verify_parts = timed
+
+
+def _worker(index: int, initial_peers: list[str], values: int, reps: int, results, exchanges) -> None:
     import torch
 
     from p2p_diloco.config import AveragingConfig, NetworkConfig
@@ -31,6 +51,7 @@ def _worker(index: int, initial_peers: list[str], values: int, reps: int, result
     from p2p_diloco.net.dht import start_dht
 
     torch.set_num_threads(1)
+    _timed_exchange(exchanges)  # before the averagers fork their processes
     dht = start_dht(NetworkConfig(initial_peers=initial_peers, host_maddrs=LOOPBACK))
     shapes = [torch.Size([values])]
     averagers = {on: Averager(dht, AveragingConfig(matchmaking_time=5, request_timeout=2, verify_parts=on),
@@ -48,14 +69,15 @@ def _worker(index: int, initial_peers: list[str], values: int, reps: int, result
         dht.shutdown()
 
 
-def allreduce_cost(values: int, reps: int) -> dict[bool, float]:
+def allreduce_cost(values: int, reps: int) -> tuple[dict[bool, float], float]:
+    """Median over repetitions of the slowest peer's all-reduce time, per setting; and the median digest exchange."""
     from p2p_diloco.config import NetworkConfig
     from p2p_diloco.net.dht import start_dht, visible_maddrs
 
     ctx = mp.get_context("fork")
-    results = ctx.Queue()
+    results, exchanges = ctx.Queue(), ctx.Queue()
     boot = start_dht(NetworkConfig(host_maddrs=LOOPBACK))
-    procs = [ctx.Process(target=_worker, args=(i, visible_maddrs(boot), values, reps, results)) for i in range(3)]
+    procs = [ctx.Process(target=_worker, args=(i, visible_maddrs(boot), values, reps, results, exchanges)) for i in range(3)]
     try:
         for p in procs:
             p.start()
@@ -65,7 +87,8 @@ def allreduce_cost(values: int, reps: int) -> dict[bool, float]:
             if not ok:
                 raise RuntimeError(f"an all-reduce failed (verify_parts={on}, repetition {rep})")
             slowest[on, rep] = max(slowest.get((on, rep), 0.0), seconds)
-        return {on: statistics.median(slowest[on, r] for r in range(reps)) for on in (True, False)}
+        exchange = statistics.median(exchanges.get(timeout=10) for _ in range(3 * reps))
+        return {on: statistics.median(slowest[on, r] for r in range(reps)) for on in (True, False)}, exchange
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -97,17 +120,17 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for values in args.params or [1e6, 10e6]:
-        t = allreduce_cost(int(values), args.reps)
+        t, exchange = allreduce_cost(int(values), args.reps)
         rows.append([f"all-reduce, {values / 1e6:g}M values, 3 peers", f"{t[False]:.3f}", f"{t[True]:.3f}",
-                     f"{t[True] / t[False]:.2f}"])
+                     f"{t[True] / t[False]:.2f}", f"{exchange * 1e3:.1f}"])
         print(rows[-1], flush=True)
     if args.runs:
         t = swarm_cost(args.runs, args.rounds, args.inner_steps)
         for i, what in enumerate(("round", "all-reduce")):
             rows.append([f"swarm, tiny model, 3 peers: {what} time", f"{t[False][i]:.3f}", f"{t[True][i]:.3f}",
-                         f"{t[True][i] / t[False][i]:.2f}"])
+                         f"{t[True][i] / t[False][i]:.2f}", ""])
             print(rows[-1], flush=True)
-    print(table(["measured (median)", "off s", "on s", "on / off"], rows))
+    print(table(["measured (median)", "off s", "on s", "on / off", "digest exchange ms"], rows))
 
 
 if __name__ == "__main__":

@@ -181,7 +181,6 @@ class CanonicalAllReduceRunner(AllReduceRunner):
                                f"{part_index} of {self.tensor_part_reducer.num_parts} parts ({ended})")
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
-
     def _deceived(self, sender_index: int) -> bool:
         """fault.attack=equivocate: every other sender (ourselves excepted) gets other bytes than the rest."""
         others = [p for p in self.sender_peer_ids if p != self.peer_id]
