@@ -63,40 +63,41 @@ def test_declared_bandwidths_that_are_not_numbers_count_as_undeclared():
         [1.0, None, None, None, None, 0.0, None, None]
 
 
-def test_one_call_per_pair_and_client_mode_members_dial_out():
-    from p2p_diloco.net.verify import caller
-
-    clients = [False, True, False, True]
-    for i in range(4):
-        for j in range(4):
-            if i != j and not (clients[i] and clients[j]):
-                assert caller(i, j, clients) != caller(j, i, clients), (i, j)
-    assert caller(1, 0, clients) and not caller(0, 1, clients)  # the client dials the reachable member
-    assert not caller(1, 3, clients) and not caller(3, 1, clients)  # two clients cannot dial each other
-
-
-def test_a_verification_commits_only_when_every_paired_member_agrees():
+def test_a_verification_commits_only_when_every_member_reached_agrees():
     import asyncio
 
     from p2p_diloco.net.verify import Verification
 
     own, other = [bytes([i]) * 32 for i in range(3)], [bytes([i]) * 32 for i in (0, 1, 9)]
+    cases = {  # member index -> what we heard from it: digests, "dead" (unreachable) or "failed" (its all-reduce)
+        "agreed": {1: own, 2: own}, "equivocated": {1: own, 2: other}, "missing": {1: own},
+        "malformed": {1: own, 2: own[:2]}, "dead": {1: own, 2: "dead"}, "failed": {1: own, 2: "failed"},
+        "two stories": {1: own, 2: [own, other]}}
 
     async def verdicts():
-        out = []
-        for answers in ({1: own, 2: own}, {1: own, 2: other}, {1: own}, {1: own, 2: own[:2]}):
-            v = Verification(["a", "b", "c"], NAMES, 0, [False] * 3)
+        out = {}
+        for case, answers in cases.items():
+            v = Verification(["a", "b", "c"], NAMES, 0)
             v.own.set_result(own)
-            for j, digests in answers.items():
-                v.record(j, digests)
-            out.append((v.settled.is_set(), v.verdict()))
+            for j, heard in answers.items():
+                if heard == "dead":
+                    v.unreachable(j, "P2PDaemonError('stream reset')")
+                elif heard == "failed":
+                    v.fail(j, "its all-reduce failed")
+                else:
+                    for digests in (heard if isinstance(heard[0], list) else [heard]):
+                        v.record(j, digests)
+            out[case] = (v.settled.is_set(), v.verdict())
         return out
 
-    agreed, equivocated, missing, malformed = asyncio.run(verdicts())
-    assert agreed == (True, None)
-    assert equivocated[0] and "reducer p2 sent different averaged bytes" in equivocated[1]
-    assert missing == (False, "no part digests from member(s) ['p2'] in time")
-    assert malformed[0] and "member p2 could not verify: sent 2 malformed digests" in malformed[1]
+    out = asyncio.run(verdicts())
+    assert out["agreed"] == (True, None)
+    assert out["equivocated"][0] and "reducer p2 sent different averaged bytes" in out["equivocated"][1]
+    assert out["missing"] == (False, "no part digests from member(s) ['p2'] in time")
+    assert "member p2 could not verify: sent 2 malformed digests" in out["malformed"][1]
+    assert out["dead"] == (True, None), "a member that cannot be reached at all is left out (it cannot commit)"
+    assert out["failed"][0] and "member p2 could not verify: its all-reduce failed" in out["failed"][1]
+    assert "member p2 could not verify: sent two different sets of digests" in out["two stories"][1]
 
 
 @pytest.mark.parametrize("key,value", [("averaging.max_share", "0.5"), ("averaging.verify_parts", "maybe")])

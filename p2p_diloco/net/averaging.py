@@ -134,7 +134,7 @@ class CanonicalAverager(PartVerifier, DecentralizedAverager):
             equivocate = self._equivocate_from is not None and round_ >= self._equivocate_from
             if self._verify_parts_on:  # members are named with the end of their (authenticated) peer id
                 labels = [f"{c.name} (…{str(p)[-6:]})" for c, p in zip(contributions, group_info.peer_ids)]
-                verification = self._open_verification(group_info, labels, modes)
+                verification = self._open_verification(group_info, labels)
             started = time.monotonic()
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 sent, received, digests = await self._run_allreduce_inplace_(
