@@ -24,7 +24,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from typing import Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PContext, P2PDaemonError
@@ -151,8 +151,13 @@ class PartVerifier:
             del self._verifications[old]
 
     async def rpc_verify_parts(self, request: averaging_pb2.MessageFromLeader,
-                               context: P2PContext) -> averaging_pb2.MessageFromLeader:
-        """A group member sends the digests of the averaged parts it received; we answer with ours."""
+                               context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """A group member sends the digests of the averaged parts it received; we answer with ours. A stream, not a
+        unary call: hivemind 1.1.12's client loses its unary-call reader for good when a response arrives for a
+        call just cancelled (InvalidStateError in its reader task), and ours are cancelled once a round is settled."""
+        yield await self._answer_verify(request, context)
+
+    async def _answer_verify(self, request, context) -> averaging_pb2.MessageFromLeader:
         v = await self._verification_for(request.group_id)
         if v is None:
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_ID)
@@ -206,15 +211,20 @@ class PartVerifier:
 
     async def _call_verify(self, group_id, v: Verification, j: int) -> None:
         stub = self.get_stub(self._p2p, v.peer_ids[j], namespace=self.prefix)
+        stream = None
         try:
-            answer = await stub.rpc_verify_parts(averaging_pb2.MessageFromLeader(
-                group_id=group_id, gathered=v.own.result()), timeout=self._verify_deadline())
-        except UNREACHABLE as e:
+            request = averaging_pb2.MessageFromLeader(group_id=group_id, gathered=v.own.result())
+            stream = await asyncio.wait_for(stub.rpc_verify_parts(request), timeout=self._verify_deadline())
+            answer = await asyncio.wait_for(anext(stream), timeout=self._verify_deadline())
+        except (*UNREACHABLE, StopAsyncIteration) as e:  # StopAsyncIteration: the stream closed without an answer
             v.unreachable(j, repr(e)[:200])
             return
         except Exception as e:
             v.fail(j, f"no answer ({e!r})"[:200])
             return
+        finally:
+            if stream is not None:
+                await stream.aclose()
         if answer.code == averaging_pb2.ACCEPTED:
             v.record(j, list(answer.gathered))
         else:
