@@ -160,9 +160,10 @@ class CanonicalAverager(DecentralizedAverager):
                         local_tensors, group_info, peer_fractions=peer_fractions, weight=weights[me],
                         weights=weights, aggregator=self._aggregator, attack=attack, fault=fault, **kwargs)
                 except MalformedRound as e:  # every member fails this round and learns whom to leave out
-                    names = {p: contributions[peer_ids.index(p)].name for p in e.culprits if p in peer_ids}
-                    stats = dict(error=f"malformed contribution(s) refused, round failed: {e}",
-                                 malformed={p: (names.get(p, "?"), why) for p, why in e.culprits.items()})
+                    malformed = {p: (contributions[peer_ids.index(p)].name if p in peer_ids else "?", why)
+                                 for p, why in e.culprits.items()}
+                    stats = dict(malformed=malformed, error="round failed, malformed contribution refused: " +
+                                 "; ".join(f"{name} ({p}): {why}" for p, (name, why) in malformed.items()))
             return dict(summary, allreduce_seconds=time.monotonic() - started, **stats)
         except BaseException as e:
             raise MatchmakingException(f"all-reduce failed: {e!r}") from None
