@@ -121,14 +121,18 @@ def learning_run(aggregator: str, attack, rounds: int, inner_steps: int) -> dict
             "run_dir": str(run_dir)}
 
 
-def learning(rounds: int, inner_steps: int, attack: str, aggregators) -> list[dict]:
+def learning(rounds: int, inner_steps: int, attack: str, aggregators, clean: bool = True) -> list[dict]:
     out = []
     for a in aggregators:
-        for att in (None, attack):
+        for att in ((None, attack) if clean else (attack,)):
             r = learning_run(a, att, rounds, inner_steps)
             print(json.dumps(r), flush=True)
             out.append(r)
     return out
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.3f}" if x < 100 else f"{x:.0f}"
 
 
 def report(result: dict) -> str:
@@ -141,14 +145,14 @@ def report(result: dict) -> str:
                              fmt(m["memory_ratio"])] for a, m in c.items()]))
     if "learning" in result:
         rows, runs = [], result["learning"]
-        for a in dict.fromkeys(r["aggregator"] for r in runs):
-            clean = next(r for r in runs if r["aggregator"] == a and r["attack"] is None)
-            hit = next(r for r in runs if r["aggregator"] == a and r["attack"] is not None)
-            ratio = hit["final_eval_loss"] / clean["final_eval_loss"] if hit["final_eval_loss"] else None
-            rows.append([a, fmt(clean["final_eval_loss"], 4), fmt(hit["final_eval_loss"], 4),
-                         fmt(ratio, 3) if ratio else "no commit", f"{hit['rounds_committed']}"])
-        lines.append(table(["aggregator", "eval loss, no attacker", f"with 1 attacker ({runs[-1]['attack']})",
-                            "ratio", "rounds committed (attacked)"], rows))
+        clean = {r["aggregator"]: r["final_eval_loss"] for r in runs if r["attack"] is None}
+        for hit in (r for r in runs if r["attack"] is not None):
+            a, loss = hit["aggregator"], hit["final_eval_loss"]
+            own, base = clean.get(a), clean.get("mean")
+            rows.append([a, hit["attack"], fmt(own, 4), fmt(loss, 4), _ratio(loss / own) if own else "–",
+                         _ratio(loss / base) if base else "–", hit["rounds_committed"]])
+        lines.append(table(["aggregator", "attack", "eval loss, no attacker", "with 1 attacker of 4",
+                            "x no attacker", "x mean, no attacker", "rounds committed"], rows))
     return "\n\n".join(lines)
 
 
@@ -161,6 +165,7 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=20)
     ap.add_argument("--attack", default="flip")
     ap.add_argument("--aggregators", nargs="+", default=list(AGGREGATORS))
+    ap.add_argument("--attacked-only", action="store_true", help="skip the runs without an attacker")
     ap.add_argument("--out", default="benchmarks/results/robust.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -169,7 +174,8 @@ def main() -> None:
         result["cost"] = cost(args.values, args.reps)
         print(json.dumps(result["cost"]), flush=True)
     if "learning" in args.parts:
-        result["learning"] = learning(args.rounds, args.inner_steps, args.attack, args.aggregators)
+        result["learning"] = learning(args.rounds, args.inner_steps, args.attack, args.aggregators,
+                                      clean=not args.attacked_only)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(report(result))
 
