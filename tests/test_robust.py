@@ -143,6 +143,13 @@ def test_screening_is_deterministic_and_needs_a_majority():
     for bad in (None, "x", dict(good, tokens=-1), dict(good, tokens=1.5), dict(good, round="3"), {"name": "p"}):
         assert sane_contribution(bad)["tokens"] == 0
     assert sane_contribution(dict(good, steps_per_s=float("inf")))["steps_per_s"] == 0.0
+    from p2p_diloco.net.averaging import Contribution, choose_participants
+
+    members = [Contribution(n, 3, "x", 10, suspects=["D"] if n != "D" else ["A"]) for n in ids]
+    assert choose_participants(members, ids) == [0, 1, 2]
+    assert choose_participants(members) == [0, 1, 2, 3]  # without peer ids: no votes
+    pair = [Contribution("A", 3, "x", 10, suspects=["B"]), Contribution("B", 3, "x", 10, suspects=["A"])]
+    assert choose_participants(pair, ["A", "B"]) == []  # two members naming each other: nobody, the round fails
 
 
 @pytest.mark.timeout(30)

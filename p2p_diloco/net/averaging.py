@@ -96,7 +96,10 @@ def choose_participants(contributions: Sequence[Contribution], peer_ids: Sequenc
     ``peer_ids`` given) that a majority of the others name as suspects.
     """
     left_out = accused(peer_ids, [c.suspects for c in contributions]) if peer_ids else set()
-    best = majority_state([(c.round, c.digest) for i, c in enumerate(contributions) if i not in left_out])
+    states = [(c.round, c.digest) for i, c in enumerate(contributions) if i not in left_out]
+    if not states:
+        return []
+    best = majority_state(states)
     return [i for i, c in enumerate(contributions)
             if (c.round, c.digest) == best and c.tokens > 0 and i not in left_out]
 
