@@ -10,6 +10,8 @@ their ratios to the plain mean measured in the same script.
 an attacker and with peer3 attacking from round 2 (``--attack``, default flip: its pseudo-gradient x -1000): the final
 eval loss of θ_global on the honest peers, and its ratio to the same aggregator's run without the attacker.
 
+Run:
+
     nice -n 10 python benchmarks/robust.py cost learning --out benchmarks/results/robust.json
 """
 
@@ -157,7 +159,7 @@ def report(result: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("parts", nargs="+", choices=("cost", "learning"))
     ap.add_argument("--values", type=int, default=4_000_000)
     ap.add_argument("--reps", type=int, default=3)
