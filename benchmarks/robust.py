@@ -55,7 +55,8 @@ def _cost_worker(index, initial_peers, plan, values, results):
             try:
                 with averager.pseudo_grads() as buffers:
                     buffers[0].copy_(torch.randn(values, generator=torch.Generator().manual_seed(index)))
-                result = averager.average(Contribution(f"p{index}", round=0, digest="d", tokens=100 + index), 100 + index)
+                tokens = 100 + index
+                result = averager.average(Contribution(f"p{index}", round=0, digest="d", tokens=tokens), tokens)
                 results.put((step, aggregator, index, result.ok, result.allreduce_seconds, result.reducer_bytes,
                              result.error))
             finally:

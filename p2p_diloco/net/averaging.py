@@ -134,7 +134,6 @@ class CanonicalAverager(DecentralizedAverager):
         try:
             bandwidths, mode_ids, gathered = zip(*map(self.serializer.loads, group_info.gathered))
             contributions = [self._contribution(g) for g in gathered]
-            modes = tuple(map(AveragingMode, mode_ids))
             peer_ids = [str(p) for p in group_info.peer_ids]
             members = choose_participants(contributions, peer_ids)
             weights = member_weights([c.tokens for c in contributions], members, self._weight_by_tokens,
@@ -147,29 +146,31 @@ class CanonicalAverager(DecentralizedAverager):
             if len(members) < self._min_participants:
                 raise AllreduceException(f"only {len(members)} of {len(contributions)} members agree on θ_global")
             left_out = accused(peer_ids, [c.suspects for c in contributions])  # they reduce nothing either
-            download_bandwidths = [b if m != AveragingMode.CLIENT and i not in left_out else 0.0
-                                   for i, (b, m) in enumerate(zip(bandwidths, modes))]
+            download_bandwidths = [b if AveragingMode(m) != AveragingMode.CLIENT and i not in left_out else 0.0
+                                   for i, (b, m) in enumerate(zip(bandwidths, mode_ids))]
             peer_fractions = await asyncio.get_event_loop().run_in_executor(
                 None, load_balance_peers, self.total_size, download_bandwidths, min_vector_size)
-            round_ = contributions[me].round + 1
-            fault = self._fault if self._fault and self._fault.due("allreduce", round_) else None
-            attack = self._attack if self._attack is not None and self._attack.due(round_) else None
             started = time.monotonic()
-            async with enter_asynchronously(self.get_tensors()) as local_tensors:
-                if self._attack is not None:
-                    self._attack.on_tensors(local_tensors, round_)
-                try:
-                    stats = await self._run_allreduce_inplace_(
-                        local_tensors, group_info, peer_fractions=peer_fractions, weight=weights[me],
-                        weights=weights, aggregator=self._aggregator, attack=attack, fault=fault, **kwargs)
-                except MalformedRound as e:  # every member fails this round and learns whom to leave out
-                    malformed = {p: (contributions[peer_ids.index(p)].name if p in peer_ids else "?", why)
-                                 for p, why in e.culprits.items()}
-                    stats = dict(malformed=malformed, error="round failed, malformed contribution refused: " +
-                                 "; ".join(f"{name} ({p}): {why}" for p, (name, why) in malformed.items()))
+            try:
+                stats = await self._allreduce_round(group_info, contributions[me].round + 1,
+                                                    peer_fractions=peer_fractions, weights=weights, **kwargs)
+            except MalformedRound as e:  # every member fails this round and learns whom to leave out
+                stats = _malformed_summary(e.culprits, contributions, peer_ids)
             return dict(summary, allreduce_seconds=time.monotonic() - started, **stats)
         except BaseException as e:
             raise MatchmakingException(f"all-reduce failed: {e!r}") from None
+
+    async def _allreduce_round(self, group_info, round_: int, weights: list, **kwargs) -> dict:
+        """The all-reduce of our buffers, with the test-only faults and attacks due in ``round_``."""
+        fault = self._fault if self._fault and self._fault.due("allreduce", round_) else None
+        attack = self._attack if self._attack is not None and self._attack.due(round_) else None
+        me = group_info.peer_ids.index(self.peer_id)
+        async with enter_asynchronously(self.get_tensors()) as local_tensors:
+            if self._attack is not None:
+                self._attack.on_tensors(local_tensors, round_)
+            return await self._run_allreduce_inplace_(
+                local_tensors, group_info, weight=weights[me], weights=weights, aggregator=self._aggregator,
+                attack=attack, fault=fault, **kwargs)
 
     def _contribution(self, gathered) -> Contribution:
         """A member's gathered record; one that is not a well-formed contribution counts as one with no tokens."""
@@ -473,6 +474,14 @@ class PendingAverage:
                 raise
             return AverageResult(ok=False, seconds=time.perf_counter() - self.started, error=_one_line(e))
         return self.averager._finish(out, time.perf_counter() - self.started, self.contribution.round + 1)
+
+
+def _malformed_summary(culprits: dict, contributions, peer_ids) -> dict:
+    """A round failed on a malformed contribution: who sent what, for the result and its error text."""
+    malformed = {p: (contributions[peer_ids.index(p)].name if p in peer_ids else "?", why)
+                 for p, why in culprits.items()}
+    return dict(malformed=malformed, error="round failed, malformed contribution refused: " +
+                "; ".join(f"{name} ({p}): {why}" for p, (name, why) in malformed.items()))
 
 
 def _one_line(e: BaseException) -> str:
