@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import AsyncIterator, Iterator, Optional, Sequence
 
 import torch
@@ -48,6 +48,7 @@ from p2p_diloco.config import AveragingConfig
 from p2p_diloco.net.codecs import ErrorFeedback
 from p2p_diloco.net.consensus import majority_state
 from p2p_diloco.net.deadlines import DeadlineEstimator
+from p2p_diloco.net.gate import MemberGate
 from p2p_diloco.net.wire import WireCodec, payload_bytes
 from p2p_diloco.ops.procs import become_child_process
 
@@ -62,6 +63,7 @@ class Contribution:
     digest: str       # sha256 of θ_global (hex)
     tokens: int       # tokens processed since the last commit: the weight of this contribution
     steps_per_s: float = 0.0  # the member's inner-step speed: every member plans its next round from the same list
+    proof: str = ""           # private runs: membership proof for the sender's PeerID, hex (net/gate.py)
 
 
 @dataclass
@@ -91,11 +93,15 @@ def choose_participants(contributions: Sequence[Contribution]) -> list[int]:
     return [i for i, c in enumerate(contributions) if (c.round, c.digest) == best and c.tokens > 0]
 
 
-class CanonicalAverager(DecentralizedAverager):
-    """DecentralizedAverager running :class:`CanonicalAllReduceRunner`; its process dies with its parent."""
+class CanonicalAverager(MemberGate, DecentralizedAverager):
+    """DecentralizedAverager running :class:`CanonicalAllReduceRunner`; its process dies with its parent. In a
+    private run (``access_keys``) it serves members only (net/gate.py)."""
+
+    _rpc_handlers = None  # collect our own rpc_* methods (rpc_admit), not a list inherited from the parent class
 
     def __init__(self, *args, codec: WireCodec, average_codec: WireCodec, min_participants: int, fault=None,
-                 **kwargs):
+                 access_keys=None, revoked: frozenset = frozenset(), **kwargs):
+        self._init_gate(access_keys, revoked)
         self._average_codec = average_codec
         self._min_participants = min_participants
         self._fault = fault
@@ -111,6 +117,7 @@ class CanonicalAverager(DecentralizedAverager):
             bandwidths, mode_ids, gathered = zip(*map(self.serializer.loads, group_info.gathered))
             contributions = [Contribution(**self.serializer.loads(g)) for g in gathered]
             modes = tuple(map(AveragingMode, mode_ids))
+            self._check_group(group_info.group_id, group_info.peer_ids, [c.proof for c in contributions])
             members = choose_participants(contributions)
             me = group_info.peer_ids.index(self.peer_id)
             summary = dict(members=[contributions[i].name for i in members], member_of=me in members,
@@ -182,6 +189,7 @@ class CanonicalAverager(DecentralizedAverager):
 
     async def _download_from(self, donor):
         stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
+        await self._prove_membership(stub)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, parts, tensors = None, [], []
         async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout):
@@ -221,8 +229,9 @@ class Averager:
     """
 
     def __init__(self, dht, cfg: AveragingConfig, prefix: str, shapes: Sequence[torch.Size], *,
-                 client_mode: bool = False, expected_group_size: Optional[int] = None, fault=None):
+                 client_mode: bool = False, expected_group_size: Optional[int] = None, fault=None, access=None):
         self.cfg = cfg
+        self.access = access  # net/auth.Access of a private run, None in an open run
         self.client_mode = client_mode
         self.fault = fault
         buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
@@ -234,6 +243,7 @@ class Averager:
             buffers, dht, start=True, prefix=prefix, codec=codec, min_participants=cfg.min_group_size,
             average_codec=WireCodec(cfg.average_codec or cfg.codec, cfg.part_size_bytes),
             fault=fault if fault is not None and fault.phase == "allreduce" else None,
+            access_keys=access.keys if access else None, revoked=access.revoked if access else frozenset(),
             target_group_size=expected_group_size or cfg.target_group_size, min_group_size=cfg.min_group_size,
             min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
             allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
@@ -278,6 +288,7 @@ class Averager:
         self._update_deadlines()
         pending = PendingAverage(self, contribution)
         try:
+            contribution = replace(contribution, proof=self._proof())
             pending.control = self._averager.step(gather=asdict(contribution), weight=float(weight), wait=False,
                                                   timeout=self.matchmaking_timeout, allow_retries=False)
             if self.fault is not None and self.fault.due("matchmaking", contribution.round + 1):
@@ -331,6 +342,14 @@ class Averager:
         except Exception as e:
             logger.warning(f"state download failed: {_one_line(e)}")
             return None
+
+    def _proof(self) -> str:
+        return self.access.keys.proof(self._averager.peer_id.to_bytes()).hex() if self.access else ""
+
+    def access_changed(self) -> None:
+        """A new secret or revocations (net/auth.Access.refresh): tell the averager's process."""
+        self._averager._outer_pipe.send(("_set_access", [], dict(keys=self.access.keys,
+                                                                 revoked=self.access.revoked)))
 
     def set_group_size(self, size: int) -> None:
         """Start each round's all-reduce as soon as ``size`` peers (the live roster) have gathered."""

@@ -72,16 +72,28 @@ class Membership:
     def roster(self) -> list[PeerStatus]:
         """Every unexpired roster entry, leavers included. Seeing nobody else, first dial the initial peers again
         (at most every roster_ttl): after a network outage this node's DHT may have dropped all its neighbours."""
-        roster = read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+        self._refresh_access()
+        roster = self._members(read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout))
         alone = not any(s.peer_id != self.peer_id for s in roster)
         if alone and self.cfg.network.initial_peers and self._may_reconnect():
             answered = reconnect(self.dht, self.cfg.network.initial_peers, self.cfg.averaging.request_timeout)
             if answered:
                 (self.log.info if self._saw_others else self.log.debug)(
                     f"no other peer in the roster: reached {answered} initial peer(s) again")
-                roster = read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+                roster = self._members(read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout))
         self._saw_others = self._saw_others or not alone
         return roster
+
+    def _refresh_access(self) -> None:
+        """Private runs, once a round: a new secret in network.secret_file, new revocations (net/auth.py)."""
+        access = getattr(self.averager, "access", None)
+        if access is not None and access.refresh(self.dht, self.cfg.averaging.request_timeout):
+            self.averager.access_changed()
+
+    def _members(self, roster: list[PeerStatus]) -> list[PeerStatus]:
+        """The roster without revoked peers' entries (they may have written them before being revoked)."""
+        access = getattr(self.averager, "access", None)
+        return roster if access is None else [s for s in roster if s.peer_id not in access.revoked]
 
     def _may_reconnect(self) -> bool:
         now = time.monotonic()
