@@ -183,9 +183,8 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
                             f"(network.initial_peers={','.join(cfg.initial_peers)})") from None
         except RuntimeError as e:  # hivemind: "DHTNode bootstrap failed: none of the initial_peers responded"
             dht.shutdown()
-            private = " (a private run's nodes answer only holders of its secret: network.secret_file)"
-            raise JoinError(f"no initial peer answered our DHT requests{private if access else ''}: "
-                            f"{str(e).strip().splitlines()[-1][:200]}") from None
+            raise JoinError(f"no initial peer answered our DHT requests (a private run's nodes answer only holders "
+                            f"of its secret: network.secret_file): {str(e).strip().splitlines()[-1][:200]}") from None
         except (P2PDaemonError, OSError, ValueError) as e:
             msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             if "bootstrap" not in msg.lower() and "connect" not in msg.lower():

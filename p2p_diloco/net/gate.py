@@ -14,6 +14,7 @@ A revoked PeerID is refused in all of these, whatever its proof. In an open run 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import AsyncIterator, Optional, Sequence
 
@@ -103,7 +104,11 @@ class MemberGate:
         # hivemind's own handler (1.1.12), with the membership check once our group's proofs are checked
         request = await anext(stream)
         if request.group_id not in self._running_groups:
-            await self._pending_groups_registered.wait()
+            try:  # hivemind waits without a bound; a private run does not wait for strangers
+                await asyncio.wait_for(self._pending_groups_registered.wait(),
+                                       ADMIT_TIMEOUT if self._access_keys is not None else None)
+            except asyncio.TimeoutError:
+                pass
         future = self._running_groups.get(request.group_id)
         if future is None:
             if self._access_keys is not None:
