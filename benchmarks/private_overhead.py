@@ -38,7 +38,7 @@ def one_run(private: bool, rounds: int, inner_steps: int, scratch: Path, tag: st
         raise RuntimeError(f"swarm {tag} failed (exit {rc}): {run_dir}")
     records = [r for p in sorted(run_dir.glob("peer*/metrics.jsonl")) for r in rounds_of(read_jsonl(p))
                if r["committed"] and r["round"] > 1]  # round 1 includes start-up waits
-    return {"round_s": median(r["time/round_s"] for r in records),
+    return {"round_s": median(r["time/round_s"] for r in records), "sync_s": median(r["time/sync_s"] for r in records),
             "allreduce_s": median(r["outer/allreduce_s"] for r in records),
             "allreduce_only_s": median(r["outer/allreduce_only_s"] for r in records)}
 
@@ -59,7 +59,7 @@ def main() -> None:
                 print(kind, rep, results[kind][-1], flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    keys = ("round_s", "allreduce_s", "allreduce_only_s")
+    keys = ("round_s", "sync_s", "allreduce_s", "allreduce_only_s")
     rows = []
     for key in keys:
         o, s = median(r[key] for r in results["open"]), median(r[key] for r in results["private"])

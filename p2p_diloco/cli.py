@@ -151,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
 
     r = command("revoke", "Remove a member from a private run, without restarting it: every node refuses its peer "
-                "id within a round.", _cmd_revoke, ["network"])
+                "id within seconds.", _cmd_revoke, ["network"])
     r.add_argument("peer_id", metavar="PEER_ID", help="the peer id to refuse (as in the roster or its log)")
     r.add_argument("--initial-peers", metavar="MADDR[,MADDR]",
                    help="multiaddrs of any live node of the run (same as --network.initial_peers)")

@@ -194,8 +194,8 @@ class NetworkConfig:
                                "'ps': prefer secret_file. None (and no secret_file): an open run, anyone who can "
                                "reach a peer may join")
     secret_file: Optional[str] = _f(None, "file holding the secret (surrounding whitespace ignored); read at start "
-                                    "and again every round, so that a new secret written to it replaces the old one "
-                                    "without a restart", check=_readable_secret)
+                                    "and again with every roster heartbeat, so that a new secret written to it "
+                                    "replaces the old one without a restart", check=_readable_secret)
 
 
 @dataclass

@@ -10,8 +10,8 @@ process wraps its handlers to note the sender in a context variable (:func:`bind
 
 Revocation list: DHT key ``_p2p_diloco.revoked`` (per secret, like the DHT), subkey = base58 PeerID, value = a record
 MAC'd with the secret's revocation key. Any holder of the secret can write one (``p2p-diloco revoke``); records
-cannot be withdrawn, and a forged one (no secret) is ignored. Peers and bootstrap nodes refresh it every round (or
-every ``REFRESH_S``) and refuse the revoked everywhere: DHT requests, joins, parts, state downloads.
+cannot be withdrawn, and a forged one (no secret) is ignored. Peers read it with every roster heartbeat, bootstrap
+nodes every ``REFRESH_S``, and refuse the revoked everywhere: DHT requests, joins, parts, state downloads.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``p2p-diloco revoke PEER_ID``: remove a member from a private run without restarting it (net/auth.py).
 
 It joins the swarm's DHT as a client (with the secret), stores a revocation record of the peer, and exits. Every
-peer and bootstrap node reads the list within a round (or net/auth.REFRESH_S) and refuses the peer from then on.
+peer and bootstrap node reads the list within a roster heartbeat (or net/auth.REFRESH_S) and refuses the peer from then on.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def run_revoke(cfg: NetworkConfig, peer: str, echo: Callable[[str], None]) -> in
     dht = start_dht(cfg, client_mode=True)
     try:
         if revoke(dht, access.keys, peer, STORE_TIMEOUT):
-            echo(f"revoked {peer}: peers refuse it within a round")
+            echo(f"revoked {peer}: peers refuse it within seconds (a roster heartbeat)")
             return 0
         echo(f"revoke: the DHT did not confirm the record within {STORE_TIMEOUT:.0f} s; try again")
         return 1
