@@ -140,11 +140,17 @@ def _ping_lines(dht, peer: str) -> list[Line]:
             Line(verdict, "clock offset", f"{offset * 1e3:+.0f} ms against {peer[:16]}… (hivemind needs < 3 s)")]
 
 
-def _throughput_line(dht, peer: str) -> Line:
-    result = dht.run_coroutine(_SpeedQuery(peer, SPEED_BYTES, SPEED_BYTES))
+def _throughput_line(dht, peer: str, attempts: int = 2) -> Line:
+    for _ in range(attempts):  # one retry: a stream reset once on a busy link says nothing of its speed
+        result = dht.run_coroutine(_SpeedQuery(peer, SPEED_BYTES, SPEED_BYTES))
+        if not isinstance(result, str):
+            break
     if result is None:
         return Line("INFO", "throughput", "not measured: the first initial peer serves no speed test (it is not a "
                     "p2p-diloco bootstrap node)")
+    if isinstance(result, str):
+        return Line("WARN", "throughput", f"not measured: the speed test with {peer[:16]}… failed {attempts} times "
+                    f"({result})")
     up_s, down_s = result
     return Line("INFO", "throughput", f"up {SPEED_BYTES * 8 / up_s / 1e6:.1f} Mbit/s, down "
                 f"{SPEED_BYTES * 8 / down_s / 1e6:.1f} Mbit/s ({SPEED_BYTES >> 20} MiB each way with {peer[:16]}…)")
@@ -175,12 +181,13 @@ class _PingQuery:
 
 
 class _SpeedQuery:
-    """Runs in the DHT's process: (upload s, download s) of a speed test with ``peer``, or None if it has none."""
+    """Runs in the DHT's process: (upload s, download s) of a speed test with ``peer``, None if it serves none, or
+    why the test failed (one line)."""
 
     def __init__(self, peer: str, up: int, down: int):
         self.peer, self.up, self.down = peer, up, down
 
-    async def __call__(self, _dht, node) -> Optional[tuple[float, float]]:
+    async def __call__(self, _dht, node) -> Optional[tuple[float, float] | str]:
         from hivemind.p2p import PeerID
 
         try:
@@ -199,8 +206,8 @@ class _SpeedQuery:
             uploaded = time.perf_counter()
             await asyncio.wait_for(reader.readexactly(self.down), 120)
             return uploaded - start, time.perf_counter() - uploaded
-        except Exception:
-            return None
+        except Exception as e:
+            return repr(e)[:200]
         finally:
             writer.close()
 
