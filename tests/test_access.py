@@ -142,3 +142,19 @@ def test_bad_secret_file_is_one_line_and_exit_code_2(tmp_path, command):
                              capture_output=True, text=True, timeout=50)
         assert out.returncode == 2, out.stderr
         assert out.stderr.count("\n") == 1 and "network.secret_file" in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_new_secret_in_the_file_replaces_the_old_one_and_a_broken_file_keeps_it(tmp_path):
+    from p2p_diloco.net.auth import Access
+
+    path = tmp_path / "secret"
+    path.write_text("first\n")
+    access = Access(None, str(path), "run")
+    old = access.keys
+    assert not access.reread_secret(), "an unchanged file is no rotation"
+    path.write_text("second\n")
+    assert access.reread_secret() and access.keys == AccessKeys.derive(b"second", "run")
+    assert not old.verify(b"peer", access.keys.proof(b"peer")), "old-secret holders are outsiders now"
+    path.write_text("")
+    assert not access.reread_secret() and access.keys == AccessKeys.derive(b"second", "run")

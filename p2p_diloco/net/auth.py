@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 REVOKED_KEY = "_p2p_diloco.revoked"
 REVOKED_TTL = 30 * 24 * 3600.0  # s a revocation record lives in the DHT (write it again to extend)
-REFRESH_S = 10.0  # s between two reads of the revocation list on a bootstrap node
+REFRESH_S = 5.0  # s between two reads of the revocation list on a bootstrap node
 REMOTE_PEER: contextvars.ContextVar[Optional[PeerID]] = contextvars.ContextVar("remote_peer", default=None)
 
 
