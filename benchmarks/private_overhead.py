@@ -25,7 +25,8 @@ from p2p_diloco.ops.swarm import run_swarm, write_peer_config
 
 def one_run(private: bool, rounds: int, inner_steps: int, scratch: Path, tag: str) -> dict:
     run_dir = scratch / tag
-    cfg = demo_config(**{"model.seq_len": 64, "inner.batch_size": 4, "data.eval_batches": 1, "run.eval_every": 0})
+    cfg = demo_config(**{"model.seq_len": 64, "inner.batch_size": 4, "data.eval_batches": 1, "run.eval_every": 0,
+                         "diloco.dylu": False})  # a fixed H: rounds of both kinds do the same work
     bootstrap_args = []
     if private:
         secret = scratch / "secret"
@@ -39,6 +40,8 @@ def one_run(private: bool, rounds: int, inner_steps: int, scratch: Path, tag: st
     records = [r for p in sorted(run_dir.glob("peer*/metrics.jsonl")) for r in rounds_of(read_jsonl(p))
                if r["committed"] and r["round"] > 1]  # round 1 includes start-up waits
     return {"round_s": median(r["time/round_s"] for r in records), "sync_s": median(r["time/sync_s"] for r in records),
+            "inner_step_s": median(r["time/inner_s"] / max(1, r["train/inner_steps"]) for r in records),
+            "inner_steps": median(r["train/inner_steps"] for r in records),
             "allreduce_s": median(r["outer/allreduce_s"] for r in records),
             "allreduce_only_s": median(r["outer/allreduce_only_s"] for r in records)}
 
@@ -59,7 +62,7 @@ def main() -> None:
                 print(kind, rep, results[kind][-1], flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    keys = ("round_s", "sync_s", "allreduce_s", "allreduce_only_s")
+    keys = ("round_s", "sync_s", "inner_step_s", "inner_steps", "allreduce_s", "allreduce_only_s")
     rows = []
     for key in keys:
         o, s = median(r[key] for r in results["open"]), median(r[key] for r in results["private"])
