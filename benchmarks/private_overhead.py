@@ -15,6 +15,7 @@ import argparse
 import json
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from common import demo_config, median, rounds_of, table
@@ -46,12 +47,47 @@ def one_run(private: bool, rounds: int, inner_steps: int, scratch: Path, tag: st
             "allreduce_only_s": median(r["outer/allreduce_only_s"] for r in records)}
 
 
+def micro(n: int = 2000) -> dict:
+    """CPU per DHT request and response (signed and checked, roster-sized) and per membership proof check."""
+    import asyncio
+
+    from hivemind.proto import dht_pb2
+
+    from p2p_diloco.net.access import AccessKeys
+    from p2p_diloco.net.auth import HMACAuthorizer
+
+    authorizer, keys = HMACAuthorizer(AccessKeys.derive(b"secret")), AccessKeys.derive(b"secret", "run")
+
+    async def exchange() -> None:
+        node = dht_pb2.NodeInfo(node_id=b"n" * 20)
+        request = dht_pb2.StoreRequest(keys=[b"k" * 20], subkeys=[b"s" * 60], values=[b"v" * 400],
+                                       expiration_time=[1.0], in_cache=[False], peer=node)
+        await authorizer.sign_request(request, None)
+        assert await authorizer.validate_request(request)
+        response = dht_pb2.StoreResponse(store_ok=[True], peer=node)
+        await authorizer.sign_response(response, request)
+        assert await authorizer.validate_response(response, request)
+
+    async def many() -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            await exchange()
+        return (time.perf_counter() - start) / n
+
+    per_message = asyncio.run(many())
+    start = time.perf_counter()
+    for _ in range(n):
+        assert keys.verify(b"p" * 38, keys.proof(b"p" * 38))
+    return {"dht_exchange_us": per_message * 1e6, "proof_check_us": (time.perf_counter() - start) / n * 1e6}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--inner-steps", type=int, default=20)
     args = p.parse_args()
+    print("CPU:", {k: f"{v:.1f} us" for k, v in micro().items()}, flush=True)
     scratch = Path(tempfile.mkdtemp(prefix="private-overhead-"))
     results = {"open": [], "private": []}
     try:
