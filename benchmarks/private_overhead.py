@@ -82,7 +82,7 @@ def micro(n: int = 2000) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--inner-steps", type=int, default=20)
