@@ -38,7 +38,7 @@ import torch
 from p2p_diloco.config import Config, ConfigError
 from p2p_diloco.net.exchange import Exchange
 from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
-from p2p_diloco.ops.faults import HOLD_FILE, parse_fault
+from p2p_diloco.ops.faults import HOLD_FILE, parse_attack, parse_fault
 from p2p_diloco.ops.metrics import MetricsSink, build_sink, throughput_text
 from p2p_diloco.train.global_state import GlobalState
 from p2p_diloco.train.inner import evaluate
@@ -163,7 +163,9 @@ class Peer:
         self.log.info(f"reachability: {choice.reason}; taking part as {choice.mode}")
         prefix = run_prefix(self.cfg.run.run_id, self.fingerprint)
         self.averager = Averager(self.dht, self.cfg.averaging, prefix, [p.shape for p in self.state.params],
-                                 client_mode=choice.mode == "client", fault=self.fault, access=self._access())
+                                 client_mode=choice.mode == "client", fault=self.fault, access=self._access(),
+                                 weight_by_tokens=self.cfg.diloco.weight_by_tokens,
+                                 attack=parse_attack(self.cfg.fault.attack, self.cfg.fault.attack_from))
         self.membership = Membership(self.cfg, self.dht, self.averager, prefix, self.name, self.state,
                                      self.fingerprint, self.metrics, self.stop_event, self.log,
                                      reachability=choice.mode)
@@ -346,6 +348,7 @@ class Peer:
                   "train/planned_steps": self.rounds.planned if steps else 0, "outer/allreduce_s": result.seconds,
                   "outer/allreduce_only_s": result.allreduce_seconds, "outer/allreduce_timeout_s": deadline,
                   "outer/bytes_sent": result.bytes_sent, "outer/bytes_received": result.bytes_received,
+                  "outer/reducer_bytes": getattr(result, "reducer_bytes", 0),
                   "global_params_sha256": self.state.params_digest, "state_sha256": self.state.digest,
                   "error": result.error, **timing, **self.replica.round_stats(tokens, timing["time/inner_s"])}
         eval_every = self.cfg.run.eval_every

@@ -151,6 +151,28 @@ class AveragingConfig:
                                       choices=("scaled_fp16", "fp16", "fp32", "int8", "int4", "e3m0"), shared=True)
     error_feedback: bool = _f(False, "add what the codec lost of this peer's last committed contribution to its "
                               "next one (local state, checkpointed; one more copy of the model in memory)")
+    aggregator: str = _f("mean", "how a reducer combines the members' copies of a part: mean (weighted by tokens), "
+                         "or a robust rule bounding what a malicious member can do to the average: clipped_mean "
+                         "(each copy clipped to clip_multiple x the median norm), centered_clip (CenteredClip from "
+                         "there, centered_clip_iters times) or trimmed_mean (per value, the trim_fraction largest and "
+                         "smallest dropped). Robust rules hold every member's copy of a part at once (group size x "
+                         "part size of memory per reducer; see BENCHMARKS.md)",
+                         choices=("mean", "clipped_mean", "centered_clip", "trimmed_mean"), shared=True)
+    clip_multiple: float = _f(2.0, "clipped_mean, centered_clip: τ, the clipping radius as a multiple of the median "
+                              "norm (of the copies, or of their distances to the center)", "x", _positive,
+                              "must be > 0", shared=True)
+    centered_clip_iters: int = _f(3, "centered_clip: iterations from the clipped mean", "iterations", _positive,
+                                  "must be > 0", shared=True)
+    trim_fraction: float = _f(0.25, "trimmed_mean: share of the members whose values are dropped at each end, per "
+                              "value (at least one value is kept)", "fraction", lambda x: 0 <= x < 0.5,
+                              "must be in [0, 0.5)", shared=True)
+    max_weight_ratio: float = _f(8.0, "a member's weight in the average is at most this x the median member's "
+                                 "(a member claiming more tokens than it can have trained is bounded)", "x",
+                                 lambda x: x >= 1, "must be >= 1", shared=True)
+    suspect_rounds: int = _f(5, "a member a reducer names for a malformed contribution (NaN/Inf, a wrong shape or "
+                             "weight) is left out of the average for this many rounds by every member that saw it "
+                             "(doubled at each repeat); 0: never left out, each attempt fails one round",
+                             "rounds", _non_negative, "must be >= 0", shared=True)
 
 
 def _readable_secret(path: str) -> bool:

@@ -6,6 +6,13 @@ reducer decodes and accumulates them in fp32, encodes the average of each of its
 (the reducer included) decodes those same bytes; a reducer's own contribution enters its average as its recipients
 would decode it, so the average does not depend on who reduced which part. A reducer that loses a sender stops
 serving; a peer that misses any part records the reducer as failed. See averaging.py for how a round is judged.
+
+Screening (screening.py): a reducer checks every part it receives (decodable, the shape due, finite, the weight every
+member derived from the gathered tokens). A bad part makes it stop serving every sender with a PROTOCOL_VIOLATION
+that names the culprit (in the message's ``peer_id``, the reason in ``group_id``): the round fails on every member,
+nothing partial is applied, and each member learns whom to leave out next (averaging.py). Parts of members whose
+weight is 0 (not participants) are not even decoded: an excluded member cannot fail the round by what it sends.
+With a robust ``aggregator`` (aggregators.py) the reducer holds every sender's copy of a part, then combines them.
 """
 
 from __future__ import annotations
@@ -16,11 +23,13 @@ import logging
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.p2p import P2P
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 
+from p2p_diloco.net.aggregators import Aggregator
+from p2p_diloco.net.screening import part_problem
 from p2p_diloco.net.wire import WireCodec, decode_part
 
 logger = logging.getLogger(__name__)
@@ -29,8 +38,16 @@ logger = logging.getLogger(__name__)
 class CanonicalAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose reducers stream the encoded average itself; any lost part fails the whole run."""
 
-    def __init__(self, *, average_codec: WireCodec, fault=None, **kwargs):
+    def __init__(self, *, average_codec: WireCodec, fault=None, weights=None, aggregator: Aggregator = Aggregator(),
+                 attack=None, **kwargs):
         super().__init__(**kwargs)
+        # the weight each sender must send (screening.member_weights); None: trust the message (benchmarks' callers)
+        self.weights = dict(zip(self.ordered_peer_ids, weights)) if weights is not None else None
+        self.attack = attack  # faults.Attack acting on what we send (tests): shape, weight
+        self.malformed: dict = {}  # PeerID -> why its contribution was refused (by us, or by a reducer that told us)
+        if aggregator.holds_parts:
+            self.tensor_part_reducer = HoldingPartReducer(self.tensor_part_reducer.part_shapes,
+                                                          len(self.sender_peer_ids), aggregator)
         self.codec: WireCodec = kwargs["compression"]  # senders' parts (it records error-feedback residuals)
         self.average_codec = average_codec  # the averages reducers send back
         self.fault = fault  # faults.Fault to strike once this reducer has streamed an averaged part (tests)
@@ -49,6 +66,31 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             self._encoded_averages[part_index] = asyncio.get_event_loop().run_in_executor(
                 None, self.average_codec.compress, averaged, self._own_infos[part_index])
         return await self._encoded_averages[part_index]
+
+    @property
+    def reducer_peak_bytes(self) -> int:
+        """The most bytes our reducer held at once to combine a part: its accumulator, or every sender's copy."""
+        reducer = self.tensor_part_reducer
+        if isinstance(reducer, HoldingPartReducer):
+            return reducer.peak_bytes
+        return 4 * max((shape.numel() for shape in reducer.part_shapes), default=0)
+
+    def _expected_weight(self, peer_id, sent: float) -> float:
+        return sent if self.weights is None else self.weights[peer_id]
+
+    def _refusal(self) -> averaging_pb2.AveragingData:
+        """What a reducer that stops serving sends: the culprit and the reason if a sender was malformed."""
+        if not self.malformed:
+            return averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+        peer, why = next(iter(self.malformed.items()))
+        return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION, peer_id=peer.to_bytes(),
+                                           group_id=why.encode()[:300])
+
+    async def _refuse_sender(self, sender_index: int, why: str) -> None:
+        peer = self.sender_peer_ids[sender_index]
+        logger.warning(f"reducer: sender {peer} sent a malformed contribution: {why}; failing the round")
+        self.malformed.setdefault(peer, why)
+        await self._ban_sender(peer)
 
     def _check_senders_intact(self) -> None:
         if self.banned_senders:
@@ -79,7 +121,11 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         for part_index, part in enumerate(self.parts_for_local_averaging):
             # our contribution as the other senders' reach us: through the codec (this records our residual)
             mine = await loop.run_in_executor(None, self._round_trip, part, self._own_infos[part_index])
-            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, mine, weight=self.weight)
+            weight = self._expected_weight(self.peer_id, self.weight)
+            if weight > 0 and not bool(torch.isfinite(mine).all()):
+                await self._refuse_sender(sender_index, "NaN or Inf in its part")
+                raise AllreduceException("our own contribution is not finite")
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, mine, weight=weight)
             self._check_senders_intact()
             encoded = await self._encode_average(part_index, averaged)
             decoded = await loop.run_in_executor(None, decode_part, encoded)
@@ -120,6 +166,11 @@ class CanonicalAllReduceRunner(AllReduceRunner):
 
     async def _receive_averages(self, peer_id, peer_index: int, stream, all_received: asyncio.Event) -> None:
         def decode(msg):
+            if msg.code == averaging_pb2.PROTOCOL_VIOLATION and msg.peer_id:
+                culprit = PeerID(msg.peer_id)
+                self.malformed.setdefault(culprit, msg.group_id.decode(errors="replace"))
+                raise AllreduceException(f"reducer {peer_id} refused {culprit}'s contribution: "
+                                         f"{self.malformed[culprit]}")
             if msg.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
             self.bytes_received += len(msg.tensor_part.buffer)
@@ -138,26 +189,35 @@ class CanonicalAllReduceRunner(AllReduceRunner):
 
     async def _generate_input_for_peer(self, peer_index: int):
         async for msg in super()._generate_input_for_peer(peer_index):
+            msg.weight = self._expected_weight(self.peer_id, self.weight)
+            if self.attack is not None:
+                self.attack.on_wire(msg)
             self.bytes_sent += len(msg.tensor_part.buffer)
             yield msg
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
-        """Reducer side: average each part over all senders, then stream the encoded average back to this sender."""
+        """Reducer side: check each part, average it over all senders, stream the encoded average back to this
+        sender. A malformed part, or any sender lost, stops the serving of every sender (see _refusal)."""
         part_index, ended = 0, "input ended"
+        peer = self.sender_peer_ids[sender_index]
         try:
-            async for part, weight in amap_in_executor(
-                    lambda msg: (decode_part(msg.tensor_part), msg.weight), stream,
-                    max_prefetch=self.tensor_part_container.prefetch):
-                if not (weight >= 0 and weight != float("inf")):
-                    raise AllreduceException(f"sender {sender_index} sent invalid weight {weight}")
+            async for part, weight in amap_in_executor(lambda msg: self._screen(msg, peer), stream,
+                                                       max_prefetch=self.tensor_part_container.prefetch):
+                why = self._problem(part, weight, peer, part_index)
+                if why is not None:
+                    await self._refuse_sender(sender_index, why)
+                    yield self._refusal()
+                    return
+                if part is None:  # a non-participant's: weight 0
+                    part = torch.zeros(self.tensor_part_reducer.part_shapes[part_index])
                 try:
-                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
-                                                                              weight=weight)
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, part, weight=self._expected_weight(peer, weight))
                 except BannedException:
                     ended = "sender banned"
                     break
                 if self.banned_senders:  # this part may now be averaged over fewer senders: serve nothing more
-                    yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+                    yield self._refusal()
                     return
                 encoded = await self._encode_average(part_index, averaged)
                 part_index += 1
@@ -170,9 +230,80 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             raise
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
-                logger.warning(f"reducer: stream to sender {self.sender_peer_ids[sender_index]} ended after "
+                logger.warning(f"reducer: stream to sender {peer} ended after "
                                f"{part_index} of {self.tensor_part_reducer.num_parts} parts ({ended})")
-                await self._ban_sender(self.sender_peer_ids[sender_index])
+                await self._ban_sender(peer)
+
+    def _screen(self, msg, peer):
+        """Decode a sender's part (in the executor); a non-participant's part is not decoded (it enters with weight
+        0); an undecodable one comes back as the error's text."""
+        if self.weights is not None and self.weights[peer] == 0:
+            return None, msg.weight
+        try:
+            return decode_part(msg.tensor_part), msg.weight
+        except Exception as e:  # noqa: BLE001 - anything a sender can make the decoder raise
+            return f"an undecodable part ({type(e).__name__})", msg.weight
+
+    def _problem(self, part, weight: float, peer, part_index: int):
+        """Why this part cannot enter the average (screening.part_problem), or None; a non-participant's part is
+        replaced by zeros of the right shape."""
+        if part_index >= self.tensor_part_reducer.num_parts:
+            return f"more than the {self.tensor_part_reducer.num_parts} parts due"
+        if isinstance(part, str):
+            return part
+        if part is None:
+            return None
+        shape = self.tensor_part_reducer.part_shapes[part_index]
+        return part_problem(part, shape, weight, self._expected_weight(peer, weight))
+
+
+class HoldingPartReducer(TensorPartReducer):
+    """hivemind's reducer, holding every sender's copy of the current part (weight > 0) instead of summing them,
+    then combining them with ``aggregator`` in sender order. Memory: (participants) × (part size), measured as
+    ``peak_bytes``. The waiting and banning logic is TensorPartReducer's, with the accumulation replaced."""
+
+    def __init__(self, part_shapes, num_senders: int, aggregator: Aggregator):
+        self.aggregator = aggregator
+        self.held: dict[int, tuple[torch.Tensor, float]] = {}
+        self.peak_bytes = 0
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self):
+        self.held = {}
+        super().reset_accumulators()
+        self.accumulator = None  # nothing is summed
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        assert 0 <= sender_index < self.num_senders and 0 <= part_index < self.num_parts
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:  # wait for the previous parts to be combined
+            await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        current = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            if weight > 0:
+                self.held[sender_index] = (tensor_part, weight)
+                self.peak_bytes = max(self.peak_bytes, sum(4 * t.numel() for t, _ in self.held.values()))
+            self.current_part_accumulated_from += 1
+            self.denominator += weight
+            self.check_current_part_finished()
+        return await current
+
+    def check_current_part_finished(self):
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            senders = sorted(self.held)
+            if senders:
+                combined = self.aggregator([self.held[i][0] for i in senders], [self.held[i][1] for i in senders])
+            else:
+                combined = torch.full(self.part_shapes[self.current_part_index], float("nan"))  # as 0/0 would
+            self.current_part_future.set_result(combined)
+            self.reset_accumulators()
 
 
 async def _read_stream(peer_id, reader):

@@ -13,7 +13,9 @@ What we do instead, keeping hivemind's matchmaking, transport and part streaming
     fewer peers); and
   * a peer that misses any part from any reducer fails the round: a partial average is never applied.
 Before the all-reduce, every member sees the same gathered metadata (round, θ_global digest, tokens) and derives the
-same set of participants: members whose (round, digest) is not the group's majority contribute with weight 0.
+same set of participants: members whose (round, digest) is not the group's majority contribute with weight 0, and
+so do members that most others name as suspects (screening.py: a reducer refused a malformed contribution of theirs
+in an earlier round). The weight each participant sends, and each reducer expects, is derived from that same list.
 
 We subclass ``AllReduceRunner`` and override ``DecentralizedAverager._aggregate_with_group`` /
 ``_run_allreduce_inplace_``, which are private: hivemind is pinned to exactly 1.1.12 for this reason.
@@ -43,12 +45,14 @@ from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asy
 from hivemind.utils.streaming import combine_from_streaming
 
 from p2p_diloco.net import dht as _dht  # noqa: F401  (imported first for its torch sharing-strategy setting)
+from p2p_diloco.net.aggregators import Aggregator
 from p2p_diloco.net.allreduce import CanonicalAllReduceRunner
 from p2p_diloco.config import AveragingConfig
 from p2p_diloco.net.codecs import ErrorFeedback
 from p2p_diloco.net.consensus import majority_state
 from p2p_diloco.net.deadlines import DeadlineEstimator
-from p2p_diloco.net.gate import MemberGate
+from p2p_diloco.net.gate import MemberGate, contribution_proof
+from p2p_diloco.net.screening import accused, member_weights, sane_contribution
 from p2p_diloco.net.wire import WireCodec, payload_bytes
 from p2p_diloco.ops.procs import become_child_process
 
@@ -63,6 +67,7 @@ class Contribution:
     digest: str       # sha256 of θ_global (hex)
     tokens: int       # tokens processed since the last commit: the weight of this contribution
     steps_per_s: float = 0.0  # the member's inner-step speed: every member plans its next round from the same list
+    suspects: list[str] = field(default_factory=list)  # peer ids this member leaves out (a reducer named them)
     proof: str = ""           # private runs: membership proof for the sender's PeerID, hex (net/gate.py)
 
 
@@ -81,16 +86,32 @@ class AverageResult:
     stale: bool = False                       # the group averaged a θ_global other than ours: repair before contributing
     group_round: Optional[int] = None         # the round the group's majority was at
     speeds: list[float] = field(default_factory=list)  # every group member's inner steps per second (DyLU)
+    reducer_bytes: int = 0                    # the most bytes our reducer held at once to combine a part
+    malformed: dict = field(default_factory=dict)  # peer id -> (name, why): members a reducer refused this round
 
 
-def choose_participants(contributions: Sequence[Contribution]) -> list[int]:
+def choose_participants(contributions: Sequence[Contribution], peer_ids: Sequence[str] = ()) -> list[int]:
     """Indices of members whose pseudo-gradient enters the average: the largest class sharing one (round, digest).
 
     Pure and deterministic: every member evaluates it on the same gathered list and gets the same answer. Ties go to
-    the higher round, then to the smaller digest. Members with no tokens contribute nothing.
+    the higher round, then to the smaller digest. Members with no tokens contribute nothing, nor do members (with
+    ``peer_ids`` given) that a majority of the others name as suspects.
     """
-    best = majority_state([(c.round, c.digest) for c in contributions])
-    return [i for i, c in enumerate(contributions) if (c.round, c.digest) == best and c.tokens > 0]
+    left_out = accused(peer_ids, [c.suspects for c in contributions]) if peer_ids else set()
+    states = [(c.round, c.digest) for i, c in enumerate(contributions) if i not in left_out]
+    if not states:
+        return []
+    best = majority_state(states)
+    return [i for i, c in enumerate(contributions)
+            if (c.round, c.digest) == best and c.tokens > 0 and i not in left_out]
+
+
+class MalformedRound(Exception):
+    """A reducer refused a member's contribution: the round fails on every member, the culprits are named."""
+
+    def __init__(self, culprits: dict):
+        self.culprits = culprits  # peer id (base58) -> why
+        super().__init__("; ".join(f"{p}: {why}" for p, why in culprits.items()))
 
 
 class CanonicalAverager(MemberGate, DecentralizedAverager):
@@ -100,11 +121,14 @@ class CanonicalAverager(MemberGate, DecentralizedAverager):
     _rpc_handlers = None  # collect our own rpc_* methods (rpc_admit), not a list inherited from the parent class
 
     def __init__(self, *args, codec: WireCodec, average_codec: WireCodec, min_participants: int, fault=None,
-                 access_keys=None, revoked: frozenset = frozenset(), **kwargs):
+                 aggregator: Aggregator = Aggregator(), weight_by_tokens: bool = True, max_weight_ratio: float = 8.0,
+                 attack=None, access_keys=None, revoked: frozenset = frozenset(), **kwargs):
         self._init_gate(access_keys, revoked)
         self._average_codec = average_codec
         self._min_participants = min_participants
         self._fault = fault
+        self._aggregator, self._attack = aggregator, attack
+        self._weight_by_tokens, self._max_weight_ratio = weight_by_tokens, max_weight_ratio
         self.state_provider = None  # set in the host process: () -> (metadata dict, tensors)
         super().__init__(*args, compression=codec, **kwargs)
 
@@ -115,10 +139,12 @@ class CanonicalAverager(MemberGate, DecentralizedAverager):
     async def _aggregate_with_group(self, group_info, min_vector_size: int, weight: float, **kwargs):
         try:
             bandwidths, mode_ids, gathered = zip(*map(self.serializer.loads, group_info.gathered))
-            contributions = [Contribution(**self.serializer.loads(g)) for g in gathered]
-            modes = tuple(map(AveragingMode, mode_ids))
-            self._check_group(group_info.group_id, group_info.peer_ids, [c.proof for c in contributions])
-            members = choose_participants(contributions)
+            contributions = [self._contribution(g) for g in gathered]
+            peer_ids = [str(p) for p in group_info.peer_ids]
+            members = choose_participants(contributions, peer_ids)
+            weights = member_weights([c.tokens for c in contributions], members, self._weight_by_tokens,
+                                     self._max_weight_ratio)
+            self._check_group(group_info.group_id, group_info.peer_ids, [contribution_proof(g) for g in gathered])
             me = group_info.peer_ids.index(self.peer_id)
             summary = dict(members=[contributions[i].name for i in members], member_of=me in members,
                            tokens=sum(contributions[i].tokens for i in members),
@@ -126,19 +152,40 @@ class CanonicalAverager(MemberGate, DecentralizedAverager):
                            speeds=[c.steps_per_s for c in contributions])
             if len(members) < self._min_participants:
                 raise AllreduceException(f"only {len(members)} of {len(contributions)} members agree on θ_global")
-            download_bandwidths = [b if m != AveragingMode.CLIENT else 0.0 for b, m in zip(bandwidths, modes)]
+            left_out = accused(peer_ids, [c.suspects for c in contributions])  # they reduce nothing either
+            download_bandwidths = [b if AveragingMode(m) != AveragingMode.CLIENT and i not in left_out else 0.0
+                                   for i, (b, m) in enumerate(zip(bandwidths, mode_ids))]
             peer_fractions = await asyncio.get_event_loop().run_in_executor(
                 None, load_balance_peers, self.total_size, download_bandwidths, min_vector_size)
-            fault = self._fault if self._fault and self._fault.due("allreduce", contributions[me].round + 1) else None
             started = time.monotonic()
-            async with enter_asynchronously(self.get_tensors()) as local_tensors:
-                sent, received = await self._run_allreduce_inplace_(
-                    local_tensors, group_info, peer_fractions=peer_fractions,
-                    weight=weight if me in members else 0.0, fault=fault, **kwargs)
-            return dict(summary, bytes_sent=sent, bytes_received=received,
-                        allreduce_seconds=time.monotonic() - started)
+            try:
+                stats = await self._allreduce_round(group_info, contributions[me].round + 1,
+                                                    peer_fractions=peer_fractions, weights=weights, **kwargs)
+            except MalformedRound as e:  # every member fails this round and learns whom to leave out
+                stats = _malformed_summary(e.culprits, contributions, peer_ids)
+            return dict(summary, allreduce_seconds=time.monotonic() - started, **stats)
         except BaseException as e:
             raise MatchmakingException(f"all-reduce failed: {e!r}") from None
+
+    async def _allreduce_round(self, group_info, round_: int, weights: list, **kwargs) -> dict:
+        """The all-reduce of our buffers, with the test-only faults and attacks due in ``round_``."""
+        fault = self._fault if self._fault and self._fault.due("allreduce", round_) else None
+        attack = self._attack if self._attack is not None and self._attack.due(round_) else None
+        me = group_info.peer_ids.index(self.peer_id)
+        async with enter_asynchronously(self.get_tensors()) as local_tensors:
+            if self._attack is not None:
+                self._attack.on_tensors(local_tensors, round_)
+            return await self._run_allreduce_inplace_(
+                local_tensors, group_info, weight=weights[me], weights=weights, aggregator=self._aggregator,
+                attack=attack, fault=fault, **kwargs)
+
+    def _contribution(self, gathered) -> Contribution:
+        """A member's gathered record; one that is not a well-formed contribution counts as one with no tokens."""
+        try:
+            raw = self.serializer.loads(gathered)
+        except Exception:  # noqa: BLE001 - anything a member can send
+            raw = None
+        return Contribution(**sane_contribution(raw))
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
@@ -146,11 +193,18 @@ class CanonicalAverager(MemberGate, DecentralizedAverager):
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, average_codec=self._average_codec, **kwargs)
         self._running_groups[group_id].set_result(runner)
-        async for tensor, averaged in azip(as_aiter(*tensors), runner):
-            tensor.copy_(averaged)  # copy, not add: every peer ends with the same decoded bytes
+        try:
+            async for tensor, averaged in azip(as_aiter(*tensors), runner):
+                tensor.copy_(averaged)  # copy, not add: every peer ends with the same decoded bytes
+        except Exception:
+            if not runner.malformed:
+                raise
+        if runner.malformed:
+            raise MalformedRound({str(p): why for p, why in runner.malformed.items()})
         if runner.failed_reducers or runner.tensor_part_container.failed_size:
             raise AllreduceException(f"lost parts of reducer(s) {sorted(map(str, runner.failed_reducers))}")
-        return runner.bytes_sent, runner.bytes_received
+        return dict(bytes_sent=runner.bytes_sent, bytes_received=runner.bytes_received,
+                    reducer_bytes=runner.reducer_peak_bytes)
 
     # ------------------------------------------------------------------------------------------ state for joiners
     def get_current_state(self):
@@ -229,11 +283,14 @@ class Averager:
     """
 
     def __init__(self, dht, cfg: AveragingConfig, prefix: str, shapes: Sequence[torch.Size], *,
-                 client_mode: bool = False, expected_group_size: Optional[int] = None, fault=None, access=None):
+                 client_mode: bool = False, expected_group_size: Optional[int] = None, fault=None,
+                 weight_by_tokens: bool = True, attack=None, access=None):
         self.cfg = cfg
         self.access = access  # net/auth.Access of a private run, None in an open run
         self.client_mode = client_mode
         self.fault = fault
+        self.suspects: dict[str, int] = {}  # peer id -> the last round we leave it out of (a reducer named it)
+        self._offenses: dict[str, int] = {}
         buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
         # error feedback's pending residual is written by the averager's process: allocate it (shared) before the fork
         self.error_feedback = ErrorFeedback(shapes) if cfg.error_feedback else None
@@ -242,7 +299,9 @@ class Averager:
         self._averager = CanonicalAverager(
             buffers, dht, start=True, prefix=prefix, codec=codec, min_participants=cfg.min_group_size,
             average_codec=WireCodec(cfg.average_codec or cfg.codec, cfg.part_size_bytes),
-            fault=fault if fault is not None and fault.phase == "allreduce" else None,
+            fault=fault if fault is not None and fault.phase == "allreduce" else None, attack=attack,
+            aggregator=Aggregator(cfg.aggregator, cfg.clip_multiple, cfg.centered_clip_iters, cfg.trim_fraction),
+            weight_by_tokens=weight_by_tokens, max_weight_ratio=cfg.max_weight_ratio,
             access_keys=access.keys if access else None, revoked=access.revoked if access else frozenset(),
             target_group_size=expected_group_size or cfg.target_group_size, min_group_size=cfg.min_group_size,
             min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
@@ -286,6 +345,8 @@ class Averager:
         """Start :meth:`average` in the averager's process and return at once (``diloco.overlap``). Until the
         pending average's ``result()`` is taken, the buffers belong to the averager: :meth:`pseudo_grads` refuses."""
         self._update_deadlines()
+        contribution = replace(contribution, suspects=[p for p, last in self.suspects.items()
+                                                       if last > contribution.round])
         pending = PendingAverage(self, contribution)
         try:
             contribution = replace(contribution, proof=self._proof())
@@ -300,16 +361,32 @@ class Averager:
         self._pending = pending
         return pending
 
-    def _finish(self, out: dict, seconds: float) -> AverageResult:
-        result = AverageResult(ok=out["member_of"], group_size=len(out["members"]), peers=out["members"],
-                               tokens=out["tokens"], bytes_sent=out["bytes_sent"],
-                               bytes_received=out["bytes_received"], seconds=seconds,
+    def _finish(self, out: dict, seconds: float, round_: int) -> AverageResult:
+        result = AverageResult(ok=out["member_of"] and "error" not in out, group_size=len(out["members"]),
+                               peers=out["members"], tokens=out["tokens"], bytes_sent=out.get("bytes_sent", 0),
+                               bytes_received=out.get("bytes_received", 0), seconds=seconds,
                                allreduce_seconds=out["allreduce_seconds"], group_round=out["group_round"],
-                               speeds=out["speeds"])
+                               speeds=out["speeds"], reducer_bytes=out.get("reducer_bytes", 0),
+                               malformed=out.get("malformed", {}))
+        if "error" in out:
+            result.error = out["error"]
+            self._suspect(result.malformed, round_)
+            return result
         self._estimator.observe(out["bytes_sent"] + out["bytes_received"], out["allreduce_seconds"])
         if not out["member_of"]:
             result.stale, result.error = True, f"the group averaged round {out['group_round']} of another θ_global"
         return result
+
+    def _suspect(self, malformed: dict, round_: int) -> None:
+        """Members a reducer refused: left out of our averages for suspect_rounds committed rounds after round_ − 1
+        (doubled at each repeat), by naming them in our contributions (a majority of members must agree)."""
+        for peer in malformed:
+            if peer == self.peer_id or not self.cfg.suspect_rounds:
+                continue
+            self._offenses[peer] = self._offenses.get(peer, 0) + 1
+            self.suspects[peer] = round_ - 1 + self.cfg.suspect_rounds * 2 ** (self._offenses[peer] - 1)
+            logger.warning(f"member {malformed[peer][0]} ({peer}) sent a malformed contribution "
+                           f"({malformed[peer][1]}): left out of our averages through round {self.suspects[peer]}")
 
     def serve_state(self, provider, round_: int) -> None:
         """Offer our state to joiners: ``provider() -> (metadata, tensors)``; donors of later rounds are preferred."""
@@ -415,7 +492,15 @@ class PendingAverage:
             if isinstance(e, KeyboardInterrupt):
                 raise
             return AverageResult(ok=False, seconds=time.perf_counter() - self.started, error=_one_line(e))
-        return self.averager._finish(out, time.perf_counter() - self.started)
+        return self.averager._finish(out, time.perf_counter() - self.started, self.contribution.round + 1)
+
+
+def _malformed_summary(culprits: dict, contributions, peer_ids) -> dict:
+    """A round failed on a malformed contribution: who sent what, for the result and its error text."""
+    malformed = {p: (contributions[peer_ids.index(p)].name if p in peer_ids else "?", why)
+                 for p, why in culprits.items()}
+    return dict(malformed=malformed, error="round failed, malformed contribution refused: " +
+                "; ".join(f"{name} ({p}): {why}" for p, (name, why) in malformed.items()))
 
 
 def _one_line(e: BaseException) -> str:

@@ -30,13 +30,22 @@ logger = logging.getLogger(__name__)
 ADMIT_TIMEOUT = 10.0  # s for a donor to answer rpc_admit
 
 
+def contribution_proof(user: bytes) -> str:
+    """The membership proof (hex) in a member's gathered Contribution (msgpack); "" if it has none."""
+    try:
+        proof = MSGPackSerializer.loads(user).get("proof", "")
+        return proof if isinstance(proof, str) else ""
+    except Exception:  # anything a stranger can send
+        return ""
+
+
 def gathered_proof(gather: bytes) -> bytes:
     """The membership proof inside a join request's gathered metadata ([bandwidth, mode, our msgpack dict])."""
     try:
         _, _, user = MSGPackSerializer.loads(gather)
-        return bytes.fromhex(MSGPackSerializer.loads(user).get("proof", ""))
     except Exception:
         return b""
+    return _unhex(contribution_proof(user))
 
 
 class MemberGate:

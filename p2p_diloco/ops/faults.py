@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -75,3 +75,63 @@ def parse_fault(text: Optional[str], main_pid: Optional[int] = None, hold_path: 
     if len(parts) != 3 or parts[0] not in ACTIONS or parts[1] not in PHASES or not parts[2].isdigit():
         raise ValueError(f"expected ACTION:PHASE:ROUND with ACTION in {ACTIONS} and PHASE in {PHASES}, got {text!r}")
     return Fault(parts[0], parts[1], int(parts[2]), main_pid if main_pid is not None else os.getpid(), hold_path)
+
+
+ATTACK_SCALE = 1000.0  # weight, flip and random: how much larger than honest
+STALE_ROUNDS = 5  # stale: the pseudo-gradient of this many rounds ago
+
+
+@dataclass
+class Attack:
+    """``fault.attack``: from round ``start`` on, this member puts a bad contribution through the normal all-reduce
+    (security tests, benchmarks/robust.py). It acts in the averager's process: ``on_tensors`` on its buffers before
+    they are cut into parts (nan, flip, random, stale), ``on_wire`` on each message to another reducer (shape,
+    weight). ``equivocate`` acts as a reducer and is not handled here."""
+    mode: str
+    start: int
+    history: list = field(default_factory=list)  # stale: our honest pseudo-gradients of the last rounds, newest last
+
+    def due(self, round_: int) -> bool:
+        return round_ >= self.start
+
+    def on_tensors(self, tensors, round_: int) -> None:
+        import torch
+
+        if self.mode == "stale":  # every round, before it strikes too: it needs the history
+            self.history = (self.history + [[t.clone() for t in tensors]])[-(STALE_ROUNDS + 1):]
+        if not self.due(round_):
+            return
+        if self.mode == "nan":
+            for t in tensors:
+                t.view(-1)[::97] = float("nan")
+        elif self.mode == "flip":
+            for t in tensors:
+                t.mul_(-ATTACK_SCALE)
+        elif self.mode == "random":
+            g = torch.Generator().manual_seed(round_)
+            noise = [torch.randn(t.shape, generator=g) for t in tensors]
+            scale = ATTACK_SCALE * _norm(tensors) / max(_norm(noise), 1e-30)
+            for t, n in zip(tensors, noise):
+                t.copy_(n * scale)
+        elif self.mode == "stale":  # the oldest we kept: STALE_ROUNDS rounds ago once that many have passed
+            for t, old in zip(tensors, self.history[0]):
+                t.copy_(old)
+
+    def on_wire(self, msg) -> None:
+        """A message carrying one of our parts to another reducer (hivemind's AveragingData)."""
+        if self.mode == "weight":
+            msg.weight = msg.weight * ATTACK_SCALE
+        elif self.mode == "shape":
+            import torch
+            from hivemind.compression import serialize_torch_tensor
+
+            msg.tensor_part.CopyFrom(serialize_torch_tensor(torch.zeros(7)))
+
+
+def _norm(tensors) -> float:
+    return float(sum(float(t.double().pow(2).sum()) for t in tensors) ** 0.5)
+
+
+def parse_attack(mode: Optional[str], start: int) -> Optional[Attack]:
+    """``fault.attack`` → Attack, or None (honest, or equivocate, which the reducer checks implement)."""
+    return Attack(mode, start) if mode is not None and mode != "equivocate" else None

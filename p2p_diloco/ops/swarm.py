@@ -53,6 +53,7 @@ class ChaosPlan:
     # fault), restart (a second process for a peer that stops on its own, started at launch on the same run folder:
     # it joins at that round, resuming from the checkpoint the first one left; it replaces the first once that exited)
     actions: list[tuple[int, str, str]] = field(default_factory=list)
+    peer_args: dict[str, list[str]] = field(default_factory=dict)    # peer name -> more flags (e.g. fault.attack)
 
 
 def plan_chaos(seed: int, num_peers: int, rounds: int) -> ChaosPlan:
@@ -214,7 +215,7 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
             fault = plan.faults.get(name)
             slow = slowdowns[i] if slowdowns and i < len(slowdowns) else 1.0
             swarm.start_peer(name, ([f"--fault.inject={fault}"] if fault else [])
-                             + ([f"--fault.slowdown={slow}"] if slow != 1.0 else []))
+                             + ([f"--fault.slowdown={slow}"] if slow != 1.0 else []) + plan.peer_args.get(name, []))
             if fault:
                 events.add("armed", name, fault)
         # joiners start now (a process needs seconds to import and build its model) and stay out of the run until

@@ -11,7 +11,7 @@ BENCHMARKS.md §4. It is the study's cheap engine: no processes, no matchmaking,
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -45,10 +45,15 @@ class ReferenceDiLoCo:
     averages exactly in fp32; 'fp32', 'fp16' or 'scaled_fp16' round-trip every contribution and the average
     through hivemind's codec of that name first (the all-reduce's precision, up to which part a peer reduces).
     ``plain_rounds``: the first rounds average plainly (θ_global ← the mean of the replicas), without the outer step.
+    ``combine(parts, weights)``: replaces the weighted mean, per parameter tensor (a robust aggregator, as a reducer
+    applies it per part); ``tamper(replica, round, delta)``: changes a replica's pseudo-gradient in place before it is
+    averaged (an attacking member; both for the security tests).
     """
 
-    def __init__(self, cfg: Config, num_peers: int, codec: Optional[str] = None, plain_rounds: int = 0):
+    def __init__(self, cfg: Config, num_peers: int, codec: Optional[str] = None, plain_rounds: int = 0,
+                 combine: Optional[Callable] = None, tamper: Optional[Callable] = None):
         self.cfg, self.codec, self.plain_rounds = cfg, codec, plain_rounds
+        self.combine, self.tamper = combine, tamper
         self.device = torch.device("cpu")
         self.data, readers = replica_data(cfg, num_peers)
         total = schedule_total_steps(cfg.inner, cfg.run.rounds, cfg.diloco.inner_steps)
@@ -71,20 +76,31 @@ class ReferenceDiLoCo:
         total = [torch.zeros_like(p) for p in self.params]
         weight_sum, losses, norms = 0.0, [], []
         delta = [torch.empty_like(p) for p in self.params]
-        for model, inner, reader in self.replicas:
+        sent, weights = [], []
+        for index, (model, inner, reader) in enumerate(self.replicas):
             tokens = 0
             for _ in range(self.cfg.diloco.inner_steps):
                 out = inner.step(reader.next_batch)
                 losses.append(out.loss)
                 tokens += out.tokens
             pseudo_gradient(self.params, model.parameters(), delta)
+            if self.tamper is not None:
+                self.tamper(index, self.round + 1, delta)
             norms.append(_norm(delta))
             weight = float(tokens) if self.cfg.diloco.weight_by_tokens else 1.0
-            for t, d in zip(total, self._wire(delta)):
-                t.add_(d, alpha=weight)
+            if self.combine is not None:
+                sent.append([d.clone() for d in self._wire(delta)])
+                weights.append(weight)
+            else:
+                for t, d in zip(total, self._wire(delta)):
+                    t.add_(d, alpha=weight)
             weight_sum += weight
             self.tokens += tokens
-        averaged = self._wire([t.div_(weight_sum) for t in total])
+        if self.combine is not None:
+            total = [self.combine([s[j] for s in sent], weights) for j in range(len(total))]
+        else:
+            total = [t.div_(weight_sum) for t in total]
+        averaged = self._wire(total)
         self._stats(averaged, norms)
         if self.round < self.plain_rounds:  # a study knob: plain averaging before the outer optimizer takes over
             for p, d in zip(self.params, averaged):
