@@ -185,6 +185,16 @@ class _UpdateAuthorizer:
             authorizer.update(self.keys, self.revoked)
 
 
+class IsRevoked:
+    """Runs in the DHT's process: is ``peer`` (base58) revoked, as its authorizer knows now? (net/gate.py asks.)"""
+
+    def __init__(self, peer: str):
+        self.peer = peer
+
+    async def __call__(self, _dht, node) -> bool:
+        return self.peer in getattr(node.protocol.authorizer, "revoked", ())
+
+
 def revoke(dht, keys: AccessKeys, peer: str, timeout: float) -> bool:
     """Store a revocation record of ``peer`` (base58 PeerID); True if the DHT confirmed it within ``timeout``."""
     PeerID.from_base58(peer)  # raises ValueError for a string that is not a PeerID

@@ -144,7 +144,7 @@ class CanonicalAverager(MemberGate, DecentralizedAverager):
             members = choose_participants(contributions, peer_ids)
             weights = member_weights([c.tokens for c in contributions], members, self._weight_by_tokens,
                                      self._max_weight_ratio)
-            self._check_group(group_info.group_id, group_info.peer_ids, [contribution_proof(g) for g in gathered])
+            await self._check_group(group_info.group_id, group_info.peer_ids, [contribution_proof(g) for g in gathered])
             me = group_info.peer_ids.index(self.peer_id)
             summary = dict(members=[contributions[i].name for i in members], member_of=me in members,
                            tokens=sum(contributions[i].tokens for i in members),

@@ -25,6 +25,7 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
 from p2p_diloco.net.access import AccessKeys
+from p2p_diloco.net.auth import IsRevoked
 
 logger = logging.getLogger(__name__)
 ADMIT_TIMEOUT = 10.0  # s for a donor to answer rpc_admit
@@ -69,11 +70,22 @@ class MemberGate:
     def own_proof(self) -> str:
         return self._access_keys.proof(self.peer_id.to_bytes()).hex() if self._access_keys else ""
 
-    def _admit(self, peer: PeerID, proof: bytes, what: str) -> bool:
+    async def _is_revoked(self, peer: PeerID) -> bool:
+        """Revoked, as this process was told at the last round, or as the DHT's process knows now (the heartbeat
+        hands revocations to the DHT's process at once, to ours at the start of the next round)."""
+        if peer.to_base58() in self._revoked:
+            return True
+        try:
+            return bool(await self.dht.run_coroutine(IsRevoked(peer.to_base58()), return_future=True))
+        except Exception as e:  # the DHT's process is gone: we are shutting down
+            logger.debug(f"revocation check failed: {e!r}")
+            return False
+
+    async def _admit(self, peer: PeerID, proof: bytes, what: str) -> bool:
         """Check ``proof`` for the authenticated ``peer``; remember it if valid. True in an open run."""
         if self._access_keys is None:
             return True
-        if peer.to_base58() in self._revoked:
+        if await self._is_revoked(peer):
             logger.warning(f"refused {what} from {peer}: revoked")
             return False
         if not self._access_keys.verify(peer.to_bytes(), proof):
@@ -82,18 +94,18 @@ class MemberGate:
         self._admitted.add(peer)
         return True
 
-    def _is_admitted(self, peer: PeerID, what: str) -> bool:
+    async def _is_admitted(self, peer: PeerID, what: str) -> bool:
         if self._access_keys is None:
             return True
-        if peer in self._admitted and peer.to_base58() not in self._revoked:
+        if peer in self._admitted and not await self._is_revoked(peer):
             return True
         logger.warning(f"refused {what} from {peer}: not an admitted member")
         return False
 
-    def _check_group(self, group_id: bytes, peer_ids: Sequence[PeerID], proofs: Sequence[str]) -> None:
+    async def _check_group(self, group_id: bytes, peer_ids: Sequence[PeerID], proofs: Sequence[str]) -> None:
         """Every member's proof, against its PeerID; raise (the round fails everywhere) on the first bad one."""
         for peer, proof in zip(peer_ids, proofs):
-            if peer != self.peer_id and not self._admit(peer, _unhex(proof), "a group"):
+            if peer != self.peer_id and not await self._admit(peer, _unhex(proof), "a group"):
                 future = self._running_groups.get(group_id)
                 if future is not None and not future.done():  # parts already waiting for this group are refused
                     future.set_exception(AllreduceException(f"group member {peer} is not a member of the run"))
@@ -102,7 +114,7 @@ class MemberGate:
     # ------------------------------------------------------------------------------------------------ RPCs
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
                              context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        if not self._admit(context.remote_id, gathered_proof(request.gather), "a join request"):
+        if not await self._admit(context.remote_id, gathered_proof(request.gather), "a join request"):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_join_group(request, context):
@@ -125,7 +137,7 @@ class MemberGate:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
         group = await future  # resolved once _aggregate_with_group checked every member's proof
-        if not self._is_admitted(context.remote_id, "parts"):
+        if not await self._is_admitted(context.remote_id, "parts"):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
@@ -134,12 +146,12 @@ class MemberGate:
     async def rpc_admit(self, request: averaging_pb2.JoinRequest,
                         context: P2PContext) -> averaging_pb2.MessageFromLeader:
         """A peer proves membership before downloading state: ``request.gather`` holds its proof (raw bytes)."""
-        ok = self._admit(context.remote_id, request.gather, "an admission")
+        ok = await self._admit(context.remote_id, request.gather, "an admission")
         return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED if ok else averaging_pb2.PROTOCOL_VIOLATION)
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
-        if not self._is_admitted(context.remote_id, "a state download"):
+        if not await self._is_admitted(context.remote_id, "a state download"):
             return  # an empty answer: the downloader gets nothing
         async for message in super().rpc_download_state(request, context):
             yield message
