@@ -1,4 +1,4 @@
-"""``p2p-diloco``: bootstrap | peer | swarm | status | export | generate | plot | doctor. Thin: parse, build,
+"""``p2p-diloco``: bootstrap | peer | swarm | status | revoke | export | generate | plot | doctor. Thin: parse, build,
 run, and clean up in ``finally``.
 
 Bad input (unknown key, wrong type, missing file, unreachable initial peer) prints one line and exits with code 2.
@@ -150,6 +150,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text (default 0)")
     g.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
 
+    r = command("revoke", "Remove a member from a private run, without restarting it: every node refuses its peer "
+                "id within seconds.", _cmd_revoke, ["network"])
+    r.add_argument("peer_id", metavar="PEER_ID", help="the peer id to refuse (as in the roster or its log)")
+    r.add_argument("--initial-peers", metavar="MADDR[,MADDR]",
+                   help="multiaddrs of any live node of the run (same as --network.initial_peers)")
+
     pl = command("plot", "Draw a run's metrics as PNGs: loss per peer, round timeline, group size and traffic.",
                  _cmd_plot, [])
     pl.add_argument("run_dir", metavar="RUN_DIR", help="a peer's run folder, or a swarm's")
@@ -232,7 +238,14 @@ def _cmd_swarm(args, overrides: dict[str, str]) -> int:
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # a TERM must end the children too, as Ctrl+C does
     return run_swarm(args.peers, args.rounds, args.inner_steps, args.run_dir, peer_args, timeout=args.timeout,
                      chaos=args.chaos, slowdowns=slowdowns, echo=lambda s: print(s, flush=True),
-                     report=not args.no_report)
+                     report=not args.no_report, bootstrap_args=_secret_args(cfg.network))
+
+
+def _secret_args(net) -> list[str]:
+    """A private run's secret, for the swarm's bootstrap node (which reads no peer config)."""
+    if net.secret_file is not None:
+        return [f"--network.secret_file={net.secret_file}"]
+    return [f"--network.secret={net.secret}"] if net.secret is not None else []
 
 
 def _slowdowns(text: Optional[str], peers: int) -> Optional[list[float]]:
@@ -261,6 +274,16 @@ def _cmd_status(args, overrides: dict[str, str]) -> int:
     stop = threading.Event()
     _on_stop_signals(stop)
     return run_status(cfg, args.watch, args.json, stop, echo=lambda s: print(s, flush=True))
+
+
+def _cmd_revoke(args, overrides: dict[str, str]) -> int:
+    if args.initial_peers:
+        overrides = {"network.initial_peers": args.initial_peers, **overrides}
+    cfg = load_config(args.config, overrides)
+    from p2p_diloco.ops.revoke import run_revoke
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    return run_revoke(cfg.network, args.peer_id, echo=lambda s: print(s, flush=True))
 
 
 def _cmd_export(args, overrides: dict[str, str]) -> int:

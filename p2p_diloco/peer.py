@@ -163,7 +163,7 @@ class Peer:
         self.log.info(f"reachability: {choice.reason}; taking part as {choice.mode}")
         prefix = run_prefix(self.cfg.run.run_id, self.fingerprint)
         self.averager = Averager(self.dht, self.cfg.averaging, prefix, [p.shape for p in self.state.params],
-                                 client_mode=choice.mode == "client", fault=self.fault,
+                                 client_mode=choice.mode == "client", fault=self.fault, access=self._access(),
                                  weight_by_tokens=self.cfg.diloco.weight_by_tokens,
                                  attack=parse_attack(self.cfg.fault.attack, self.cfg.fault.attack_from),
                                  equivocate_from=self.cfg.fault.attack_from if self.cfg.fault.attack == "equivocate"
@@ -176,6 +176,21 @@ class Peer:
         self.log.info(f"joined run {self.cfg.run.run_id!r} as {self.averager.peer_id} (group key prefix "
                       f"{prefix}); others can join through: {' '.join(maddrs)}")
         self.membership.wait_for_round(self.cfg.run.join_after_round)
+
+    def _access(self):
+        """A private run's access rules (net/auth.py), or None for an open run, said in one line."""
+        from p2p_diloco.net.auth import Access
+
+        net = self.cfg.network
+        if net.secret is None and net.secret_file is None:
+            self.log.warning("open run: anyone who can reach a peer may join, upload into the average and download "
+                             "the model (set network.secret_file to make it private)")
+            return None
+        access = Access(net.secret, net.secret_file, self.cfg.run.run_id)
+        access.refresh(self.dht, self.cfg.averaging.request_timeout)
+        self.log.info(f"private run: members only (secret {access.keys.fingerprint}, "
+                      f"{len(access.revoked)} revoked peer(s))")
+        return access
 
     def _payload_bytes(self) -> int:
         """Bytes of one pseudo-gradient on the wire."""

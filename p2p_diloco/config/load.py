@@ -150,6 +150,8 @@ def _read_toml(path: Path) -> list[tuple[str, Any]]:
 
 
 def _check_consistency(cfg: Config) -> None:
+    if cfg.network.secret is not None and cfg.network.secret_file is not None:
+        raise ConfigError("network.secret, network.secret_file: set one of them, not both")
     if cfg.averaging.min_group_size > cfg.averaging.target_group_size:
         raise ConfigError("averaging.min_group_size: must not exceed averaging.target_group_size")
     if cfg.averaging.request_timeout >= cfg.averaging.matchmaking_time:

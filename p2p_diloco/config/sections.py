@@ -183,6 +183,14 @@ class AveragingConfig:
                           "must be >= 1", shared=True)
 
 
+def _readable_secret(path: str) -> bool:
+    """A secret file must be readable and non-empty: raises ConfigError with the reason (one line)."""
+    from p2p_diloco.net.access import read_secret
+
+    read_secret(None, path)
+    return True
+
+
 @dataclass
 class NetworkConfig:
     """How this node reaches the swarm. Names mirror hivemind.DHT's arguments."""
@@ -211,6 +219,13 @@ class NetworkConfig:
     relay_time_limit: float = _f(1800.0, "a relayed connection through this node is reset after this long (a round "
                                  "in flight then fails); raise it for rounds longer than a few minutes", "s",
                                  _positive, "must be > 0")
+    secret: Optional[str] = _f(None, "the private run's shared secret: only nodes holding it can use the DHT, join "
+                               "a group, send parts or download state (README: Private and open runs); visible in "
+                               "'ps': prefer secret_file. None (and no secret_file): an open run, anyone who can "
+                               "reach a peer may join")
+    secret_file: Optional[str] = _f(None, "file holding the secret (surrounding whitespace ignored); read at start "
+                                    "and again with every roster heartbeat, so that a new secret written to it "
+                                    "replaces the old one without a restart", check=_readable_secret)
 
 
 @dataclass

@@ -51,6 +51,7 @@ from p2p_diloco.config import AveragingConfig
 from p2p_diloco.net.codecs import ErrorFeedback
 from p2p_diloco.net.consensus import majority_state
 from p2p_diloco.net.deadlines import DeadlineEstimator
+from p2p_diloco.net.gate import MemberGate, contribution_proof
 from p2p_diloco.net.screening import accused, member_weights, sane_contribution
 from p2p_diloco.net.reducer_checks import capped_fractions, sane_bandwidths
 from p2p_diloco.net.verify import PartVerifier
@@ -69,6 +70,7 @@ class Contribution:
     tokens: int       # tokens processed since the last commit: the weight of this contribution
     steps_per_s: float = 0.0  # the member's inner-step speed: every member plans its next round from the same list
     suspects: list[str] = field(default_factory=list)  # peer ids this member leaves out (a reducer named them)
+    proof: str = ""           # private runs: membership proof for the sender's PeerID, hex (net/gate.py)
 
 
 @dataclass
@@ -114,15 +116,19 @@ class MalformedRound(Exception):
         super().__init__("; ".join(f"{p}: {why}" for p, why in culprits.items()))
 
 
-class CanonicalAverager(PartVerifier, DecentralizedAverager):
-    """DecentralizedAverager running :class:`CanonicalAllReduceRunner`; its process dies with its parent. With
-    ``verify_parts``, members compare the digests of the averaged parts they received before a round counts
-    (net/verify.py); ``max_share`` caps the share of the vector one member reduces (net/reducer_checks.py)."""
+class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
+    """DecentralizedAverager running :class:`CanonicalAllReduceRunner`; its process dies with its parent. In a
+    private run (``access_keys``) it serves members only (net/gate.py). With ``verify_parts``, members compare the
+    digests of the averaged parts they received before a round counts (net/verify.py); ``max_share`` caps the share
+    of the vector one member reduces (net/reducer_checks.py)."""
+
+    _rpc_handlers = None  # collect our own rpc_* methods (rpc_admit), not a list inherited from the parent class
 
     def __init__(self, *args, codec: WireCodec, average_codec: WireCodec, min_participants: int, fault=None,
                  aggregator: Aggregator = Aggregator(), weight_by_tokens: bool = True, max_weight_ratio: float = 8.0,
-                 attack=None, verify_parts: bool = False, max_share: float = float("inf"),
-                 equivocate_from: Optional[int] = None, **kwargs):
+                 attack=None, access_keys=None, revoked: frozenset = frozenset(), verify_parts: bool = False,
+                 max_share: float = float("inf"), equivocate_from: Optional[int] = None, **kwargs):
+        self._init_gate(access_keys, revoked)
         self._average_codec = average_codec
         self._min_participants = min_participants
         self._fault = fault
@@ -147,6 +153,7 @@ class CanonicalAverager(PartVerifier, DecentralizedAverager):
             members = choose_participants(contributions, peer_ids)
             weights = member_weights([c.tokens for c in contributions], members, self._weight_by_tokens,
                                      self._max_weight_ratio)
+            await self._check_group(group_info.group_id, group_info.peer_ids, [contribution_proof(g) for g in gathered])
             me = group_info.peer_ids.index(self.peer_id)
             summary = dict(members=[contributions[i].name for i in members], member_of=me in members,
                            tokens=sum(contributions[i].tokens for i in members),
@@ -262,6 +269,7 @@ class CanonicalAverager(PartVerifier, DecentralizedAverager):
 
     async def _download_from(self, donor):
         stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
+        await self._prove_membership(stub)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, parts, tensors = None, [], []
         async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout):
@@ -302,8 +310,9 @@ class Averager:
 
     def __init__(self, dht, cfg: AveragingConfig, prefix: str, shapes: Sequence[torch.Size], *,
                  client_mode: bool = False, expected_group_size: Optional[int] = None, fault=None,
-                 weight_by_tokens: bool = True, attack=None, equivocate_from: Optional[int] = None):
+                 weight_by_tokens: bool = True, attack=None, access=None, equivocate_from: Optional[int] = None):
         self.cfg = cfg
+        self.access = access  # net/auth.Access of a private run, None in an open run
         self.client_mode = client_mode
         self.fault = fault
         self.suspects: dict[str, int] = {}  # peer id -> the last round we leave it out of (a reducer named it)
@@ -319,6 +328,7 @@ class Averager:
             fault=fault if fault is not None and fault.phase == "allreduce" else None, attack=attack,
             aggregator=Aggregator(cfg.aggregator, cfg.clip_multiple, cfg.centered_clip_iters, cfg.trim_fraction),
             weight_by_tokens=weight_by_tokens, max_weight_ratio=cfg.max_weight_ratio,
+            access_keys=access.keys if access else None, revoked=access.revoked if access else frozenset(),
             verify_parts=cfg.verify_parts, max_share=cfg.max_share, equivocate_from=equivocate_from,
             target_group_size=expected_group_size or cfg.target_group_size, min_group_size=cfg.min_group_size,
             min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
@@ -366,6 +376,7 @@ class Averager:
                                                        if last > contribution.round])
         pending = PendingAverage(self, contribution)
         try:
+            contribution = replace(contribution, proof=self._proof())
             pending.control = self._averager.step(gather=asdict(contribution), weight=float(weight), wait=False,
                                                   timeout=self.matchmaking_timeout, allow_retries=False)
             if self.fault is not None and self.fault.due("matchmaking", contribution.round + 1):
@@ -435,6 +446,14 @@ class Averager:
         except Exception as e:
             logger.warning(f"state download failed: {_one_line(e)}")
             return None
+
+    def _proof(self) -> str:
+        return self.access.keys.proof(self._averager.peer_id.to_bytes()).hex() if self.access else ""
+
+    def access_changed(self) -> None:
+        """A new secret or revocations (net/auth.Access.refresh): tell the averager's process."""
+        self._averager._outer_pipe.send(("_set_access", [], dict(keys=self.access.keys,
+                                                                 revoked=self.access.revoked)))
 
     def set_group_size(self, size: int) -> None:
         """Start each round's all-reduce as soon as ``size`` peers (the live roster) have gathered."""

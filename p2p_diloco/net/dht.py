@@ -36,6 +36,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.config import ConfigError, NetworkConfig
+from p2p_diloco.net.auth import Access, bind_remote_peers
 from p2p_diloco.net.consensus import PeerStatus
 from p2p_diloco.errors import JoinError
 from p2p_diloco.ops.procs import become_child_process, subprocesses_die_with_us
@@ -60,6 +61,8 @@ class DHT(hivemind.DHT):
         become_child_process()
         subprocesses_die_with_us()
         _configure_p2pd(self._p2pd_flags)
+        if self.kwargs.get("authorizer") is not None:
+            bind_remote_peers()  # a private run: the authorizer refuses revoked senders (net/auth.py)
         super().run()
 
 
@@ -142,7 +145,9 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
 
     ``client_mode`` overrides ``network.client_mode``; ``force_reachability`` ("public"/"private") replaces p2pd's
     AutoNAT verdict; ``relays``: multiaddrs of relays to reserve a slot at as soon as this node is found unreachable.
+    With ``network.secret`` or ``network.secret_file``, the node speaks only to holders of the secret (net/auth.py).
     """
+    access = Access(cfg.secret, cfg.secret_file) if cfg.secret is not None or cfg.secret_file is not None else None
     _check_maddrs("network.initial_peers", cfg.initial_peers)
     _check_maddrs("network.host_maddrs", cfg.host_maddrs)
     _check_maddrs("network.announce_maddrs", cfg.announce_maddrs)
@@ -163,6 +168,7 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
         force_reachability=force_reachability,
         use_auto_relay=bool(relays),
         trusted_relays=list(relays) or None,
+        authorizer=access.authorizer() if access is not None else None,
     )
     flags = {"relayDataLimit": cfg.relay_data_limit, "relayTimeLimit": f"{round(cfg.relay_time_limit * 1000)}ms"}
     deadline = time.monotonic() + cfg.join_timeout
@@ -175,6 +181,10 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
             dht.shutdown()
             raise JoinError(f"could not join the swarm within {cfg.join_timeout:.0f} s "
                             f"(network.initial_peers={','.join(cfg.initial_peers)})") from None
+        except RuntimeError as e:  # hivemind: "DHTNode bootstrap failed: none of the initial_peers responded"
+            dht.shutdown()
+            raise JoinError(f"no initial peer answered our DHT requests (a private run's nodes answer only holders "
+                            f"of its secret: network.secret_file): {str(e).strip().splitlines()[-1][:200]}") from None
         except (P2PDaemonError, OSError, ValueError) as e:
             msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             if "bootstrap" not in msg.lower() and "connect" not in msg.lower():

@@ -48,6 +48,7 @@ class Membership:
         self._heartbeat: Optional[threading.Thread] = None
         self._last_reconnect = 0.0
         self._saw_others = False  # after an outage (not at start), reconnecting is worth a log line
+        self._access_changed = threading.Event()  # a private run's secret or revocations changed (heartbeat)
         # what we report about our work in the roster (PeerStatus fields of the same names); the peer updates it
         self.work = {"tokens_per_s": 0.0, "tokens_trained": 0, "last_allreduce_s": 0.0, "last_bytes": 0,
                      "steps_per_s": 0.0}
@@ -72,16 +73,35 @@ class Membership:
     def roster(self) -> list[PeerStatus]:
         """Every unexpired roster entry, leavers included. Seeing nobody else, first dial the initial peers again
         (at most every roster_ttl): after a network outage this node's DHT may have dropped all its neighbours."""
-        roster = read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+        self._push_access()
+        roster = self._members(read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout))
         alone = not any(s.peer_id != self.peer_id for s in roster)
         if alone and self.cfg.network.initial_peers and self._may_reconnect():
             answered = reconnect(self.dht, self.cfg.network.initial_peers, self.cfg.averaging.request_timeout)
             if answered:
                 (self.log.info if self._saw_others else self.log.debug)(
                     f"no other peer in the roster: reached {answered} initial peer(s) again")
-                roster = read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+                roster = self._members(read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout))
         self._saw_others = self._saw_others or not alone
         return roster
+
+    def _refresh_access(self) -> None:
+        """Private runs, on the heartbeat thread (off the round's path): a new secret in network.secret_file, new
+        revocations (net/auth.py). The DHT's process learns them at once, the averager's at the next round."""
+        access = getattr(self.averager, "access", None)
+        if access is not None and access.refresh(self.dht, self.cfg.averaging.request_timeout):
+            self._access_changed.set()
+
+    def _push_access(self) -> None:
+        """On the round's thread (the averager's pipe is not for two threads): hand over what the heartbeat read."""
+        if self._access_changed.is_set():
+            self._access_changed.clear()
+            self.averager.access_changed()
+
+    def _members(self, roster: list[PeerStatus]) -> list[PeerStatus]:
+        """The roster without revoked peers' entries (they may have written them before being revoked)."""
+        access = getattr(self.averager, "access", None)
+        return roster if access is None else [s for s in roster if s.peer_id not in access.revoked]
 
     def _may_reconnect(self) -> bool:
         now = time.monotonic()
@@ -109,6 +129,7 @@ class Membership:
         while not self._closed.wait(self.cfg.averaging.roster_ttl / 3):
             self.publish()
             self.announce_run()
+            self._refresh_access()
 
     def state_changed(self) -> None:
         """Our θ_global moved (commit or download): tell the roster, and serve the new state."""

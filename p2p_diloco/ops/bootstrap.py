@@ -49,10 +49,24 @@ def run_bootstrap(cfg: NetworkConfig, stop_event: threading.Event, *, maddrs_fil
         echo(f"  p2p-diloco peer --initial-peers {public[0]}")
         if maddrs_file:
             _write_atomically(maddrs_file, "\n".join(maddrs) + "\n")
-        stop_event.wait()
+        _serve(dht, cfg, stop_event, echo)
         echo("bootstrap node stopping")
     finally:
         dht.shutdown()
+
+
+def _serve(dht, cfg: NetworkConfig, stop_event: threading.Event, echo: Callable[[str], None]) -> None:
+    """Until stopped; a private swarm's node re-reads its secret file and the revocation list (net/auth.py)."""
+    from p2p_diloco.net.auth import REFRESH_S, Access
+
+    if cfg.secret is None and cfg.secret_file is None:
+        echo("open swarm: this node answers anyone (set network.secret_file to serve a private run's members only)")
+        stop_event.wait()
+        return
+    access = Access(cfg.secret, cfg.secret_file)
+    echo(f"private swarm: this node answers holders of secret {access.keys.fingerprint} only")
+    while not stop_event.wait(REFRESH_S):  # the list lives in the DHT: no event to wait on, so poll
+        access.refresh(dht, timeout=REFRESH_S / 2)
 
 
 def _write_atomically(path: str, text: str) -> None:

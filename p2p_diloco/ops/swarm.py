@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Optional, Sequence, TextIO
 
 from p2p_diloco.config import dump_toml
 from p2p_diloco.errors import first_line, printable
@@ -191,7 +191,8 @@ def write_peer_config(run_dir: str | Path, cfg) -> list[str]:
 
 def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_args: list[str],
               timeout: Optional[float] = None, chaos: Optional[int] = None, plan: Optional[ChaosPlan] = None,
-              slowdowns: Optional[list[float]] = None, echo=print, report: bool = False) -> int:
+              slowdowns: Optional[list[float]] = None, echo=print, report: bool = False,
+              bootstrap_args: Sequence[str] = ()) -> int:
     """Run a whole swarm to completion; write ``run_dir/summary.json``; return 0 if every peer finished cleanly
     (or was failed on purpose by ``chaos`` or ``plan``) and every round's θ_global hashes agree. ``slowdowns[i]``:
     ``fault.slowdown`` of peer i (a slower machine; peers past the list run at full speed). ``report``: then print a
@@ -207,7 +208,7 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
     start = time.monotonic()
     interrupted = False
     try:
-        maddrs = swarm.start_bootstrap()
+        maddrs = swarm.start_bootstrap(extra_args=list(bootstrap_args))  # e.g. a private run's secret
         echo(f"bootstrap node at {maddrs[0]}")
         for i in range(num_peers):
             name = f"peer{i}"
