@@ -35,7 +35,7 @@ from pathlib import Path
 from common import median, table
 from netlab import NetLab, Worker, answer_commands, link_bytes
 
-from p2p_diloco.net.wire import bits_per_value
+from p2p_diloco.net.averaging.wire import bits_per_value
 
 SYSTEMS = [("ours", "scaled_fp16"), ("ours", "fp16"), ("ours", "fp32"), ("ours", "int8"), ("ours", "int4"),
            ("hivemind", "fp16"), ("hivemind", "fp32"), ("gloo", "fp16"), ("gloo", "fp32")]

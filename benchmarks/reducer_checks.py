@@ -29,7 +29,7 @@ def _timed_exchange(exchanges) -> None:
     """Time each digest exchange (from our digests ready to the verdict) in the averager process, into ``exchanges``."""
     import time
 
-    from p2p_diloco.net.verify import PartVerifier
+    from p2p_diloco.net.averaging.verify import PartVerifier
 
     verify = PartVerifier._verify_parts
 

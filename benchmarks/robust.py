@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import fmt, table  # noqa: E402
 
 from p2p_diloco.config import AveragingConfig, NetworkConfig, load_config  # noqa: E402
-from p2p_diloco.net.aggregators import AGGREGATORS  # noqa: E402
+from p2p_diloco.net.averaging.aggregators import AGGREGATORS  # noqa: E402
 from p2p_diloco.ops.metrics import read_jsonl  # noqa: E402
 from p2p_diloco.ops.swarm import DEMO_DEFAULTS, ChaosPlan, run_swarm, write_peer_config  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 The M replicas are what a local swarm's peers ``peer0..peer{M-1}`` hold (the peer's model, InnerTrainer and data
 order), trained one after another in this process; each round's contributions and average go through the wire
-exactly as in the swarm's all-reduce (p2p_diloco.net.wire: every contribution encoded with ``codec``, the weighted
+exactly as in the swarm's all-reduce (p2p_diloco.net.averaging.wire: every contribution encoded with ``codec``, the weighted
 mean in fp32, the mean encoded with the average codec; block codecs cut tensors into the same blocks as the swarm's
 parts, so their values are the swarm's), with the peer's error feedback (the residual of each replica's contribution
 added to its next one) and the peer's overlap bookkeeping (p2p_diloco.train.overlap: the all-reduce of round t is
@@ -56,7 +56,7 @@ class Replicas:
 
     def __init__(self, cfg, peers: int, rounds: int, codec: str, average_codec: Optional[str], error_feedback: bool,
                  overlap: str):
-        from p2p_diloco.net.wire import WireCodec
+        from p2p_diloco.net.averaging.wire import WireCodec
         from p2p_diloco.train.data import build_data
         from p2p_diloco.train.inner import InnerTrainer
         from p2p_diloco.train.model import build_model
@@ -130,7 +130,7 @@ class Replicas:
     def _wire(codec, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         from hivemind.compression import CompressionInfo
 
-        from p2p_diloco.net.wire import decode_part
+        from p2p_diloco.net.averaging.wire import decode_part
 
         return [decode_part(codec.compress(t.reshape(-1), CompressionInfo.from_tensor(t.reshape(-1), key=i)))
                 .view_as(t) for i, t in enumerate(tensors)]
@@ -190,7 +190,7 @@ def print_table(path: Path) -> None:
         runs = sorted(by_variant[v], key=lambda r: r["seed"])
         base = OVERLAP_BASE if VARIANTS[v][3] != "none" else "fp32"
         gap = f"{100 * (finals[v] / finals[base] - 1):+.2f}% vs {base}" if base in finals and v != base else ""
-        from p2p_diloco.net.wire import bits_per_value
+        from p2p_diloco.net.averaging.wire import bits_per_value
 
         codec, average_codec = VARIANTS[v][:2]
         bits = (bits_per_value(codec) + bits_per_value(average_codec or codec)) / 2

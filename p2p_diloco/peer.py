@@ -194,7 +194,7 @@ class Peer:
 
     def _payload_bytes(self) -> int:
         """Bytes of one pseudo-gradient on the wire."""
-        from p2p_diloco.net.wire import payload_bytes
+        from p2p_diloco.net.averaging.wire import payload_bytes
 
         a = self.cfg.averaging
         return payload_bytes(sum(p.numel() for p in self.state.params), a.codec, a.average_codec)
@@ -205,7 +205,7 @@ class Peer:
 
     @property
     def error_feedback(self):
-        """The averaging seam's :class:`~p2p_diloco.net.codecs.ErrorFeedback`, or None (off)."""
+        """The averaging seam's :class:`~p2p_diloco.net.averaging.codecs.ErrorFeedback`, or None (off)."""
         return getattr(self.averager, "error_feedback", None)
 
     @property

@@ -112,7 +112,7 @@ class _Attempts:
         from hivemind.utils import MSGPackSerializer as S
         from hivemind.utils.timed_storage import get_dht_time
 
-        from p2p_diloco.net.averaging import CanonicalAverager
+        from p2p_diloco.net.averaging.averager import CanonicalAverager
 
         stub = CanonicalAverager.get_stub(node.p2p, target, namespace=self.prefix)
         user = S.dumps(dict(name="outsider", round=0, digest="0", tokens=1, proof=self.proof(node.peer_id).hex()))
@@ -126,7 +126,7 @@ class _Attempts:
         from hivemind.proto import averaging_pb2, runtime_pb2
         from hivemind.utils.asyncio import as_aiter
 
-        from p2p_diloco.net.averaging import CanonicalAverager
+        from p2p_diloco.net.averaging.averager import CanonicalAverager
 
         stub = CanonicalAverager.get_stub(node.p2p, target, namespace=self.prefix)
         part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"\0" * 20, weight=1e6,
@@ -138,7 +138,7 @@ class _Attempts:
     async def download(self, node, target) -> str:
         from hivemind.proto import averaging_pb2
 
-        from p2p_diloco.net.averaging import CanonicalAverager
+        from p2p_diloco.net.averaging.averager import CanonicalAverager
 
         stub = CanonicalAverager.get_stub(node.p2p, target, namespace=self.prefix)
         admitted = "n/a"

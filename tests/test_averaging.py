@@ -28,10 +28,11 @@ def _worker(index, initial_peers, setups, results, die_after_parts):
     (setup index, result, sha256, tensors, error-feedback residual or None)."""
     torch.set_num_threads(1)
     from p2p_diloco.net import averaging
+    from p2p_diloco.net.averaging.allreduce import CanonicalAllReduceRunner
     from p2p_diloco.net.dht import start_dht
 
     if die_after_parts is not None:  # fault injection: this peer's reducer dies after streaming N averaged parts
-        original = averaging.CanonicalAllReduceRunner._accumulate_parts_streaming
+        original = CanonicalAllReduceRunner._accumulate_parts_streaming
 
         async def dying(self, stream, sender_index):
             sent = 0
@@ -41,7 +42,7 @@ def _worker(index, initial_peers, setups, results, die_after_parts):
                 sent += 1
                 yield msg
 
-        averaging.CanonicalAllReduceRunner._accumulate_parts_streaming = dying
+        CanonicalAllReduceRunner._accumulate_parts_streaming = dying
 
     dht = start_dht(NetworkConfig(initial_peers=initial_peers, host_maddrs=LOOPBACK))
     try:
@@ -154,7 +155,7 @@ def test_block_codecs_give_identical_bytes_the_quantized_mean_and_the_senders_re
     """Senders encode their parts (the reducer's own too), reducers accumulate the decoded parts in fp32 and encode
     the average once: every peer decodes the same bytes, equal to the average of the quantized contributions up to
     the average's own rounding; with error feedback each peer holds exactly what the wire lost of its contribution."""
-    from p2p_diloco.net.codecs import BLOCK_CODECS
+    from p2p_diloco.net.averaging.codecs import BLOCK_CODECS
 
     peers, (setup, scale) = averaged[name], SETUPS[name]
     codec = BLOCK_CODECS[setup["codec"]]

@@ -1,5 +1,5 @@
-"""The block codecs (net/codecs.py) against a scalar reference, their error bounds, determinism and layout; the wire
-adapter's part sizes and residuals (net/wire.py); error feedback's commit and roll-back."""
+"""The block codecs (net/averaging/codecs.py) against a scalar reference, their error bounds, determinism and layout; the wire
+adapter's part sizes and residuals (net/averaging/wire.py); error feedback's commit and roll-back."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from p2p_diloco.net.codecs import BLOCK_CODECS, E3M0_LEVELS, ErrorFeedback
+from p2p_diloco.net.averaging.codecs import BLOCK_CODECS, E3M0_LEVELS, ErrorFeedback
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,7 +81,7 @@ def test_a_non_finite_value_poisons_only_its_block(name):
 
 
 def test_wire_bits_per_value_and_the_deadline_payload():
-    from p2p_diloco.net.wire import payload_bytes
+    from p2p_diloco.net.averaging.wire import payload_bytes
 
     assert BLOCK_CODECS["int8"].bits_per_value == 8.125
     assert BLOCK_CODECS["int4"].bits_per_value == BLOCK_CODECS["e3m0"].bits_per_value == 4.5
@@ -95,7 +95,7 @@ def test_wire_codec_cuts_whole_blocks_and_records_the_residual():
     part lands where that part lies in its tensor."""
     from hivemind.averaging.partition import TensorPartContainer
 
-    from p2p_diloco.net.wire import WireCodec, decode_part
+    from p2p_diloco.net.averaging.wire import WireCodec, decode_part
 
     tensors = [_values(5000, seed=3).view(50, 100), _values(37, seed=4)]
     residuals = [torch.full_like(t, float("nan")) for t in tensors]

@@ -74,7 +74,7 @@ def _peer(tmp_path, outcomes, rounds, error_feedback=False, **extra):
     fake = FakeAverager(outcomes)
     cfg = load_config(overrides=overrides)
     if error_feedback:  # the averager exists before the peer starts (a resumed peer restores the residual into it)
-        from p2p_diloco.net.codecs import ErrorFeedback
+        from p2p_diloco.net.averaging.codecs import ErrorFeedback
         from p2p_diloco.train.model import build_model
 
         fake.error_feedback = ErrorFeedback([p.shape for p in build_model(cfg.model, 256, cfg.run.seed).parameters()])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from p2p_diloco.config import AveragingConfig, NetworkConfig
-from p2p_diloco.net.reducer_checks import capped_fractions, describe_equivocations, equivocations, sane_bandwidths
+from p2p_diloco.net.averaging.reducer_checks import capped_fractions, describe_equivocations, equivocations, sane_bandwidths
 
 SHAPES = [torch.Size([300, 500]), torch.Size([37])]
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -66,7 +66,7 @@ def test_declared_bandwidths_that_are_not_numbers_count_as_undeclared():
 def test_a_verification_commits_only_when_every_member_reached_agrees():
     import asyncio
 
-    from p2p_diloco.net.verify import Verification
+    from p2p_diloco.net.averaging.verify import Verification
 
     own, other = [bytes([i]) * 32 for i in range(3)], [bytes([i]) * 32 for i in (0, 1, 9)]
     cases = {  # member index -> what we heard from it: digests, "dead" (unreachable) or "failed" (its all-reduce)

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from p2p_diloco.net.aggregators import Aggregator, centered_clip, clipped_mean, trimmed_mean, weighted_mean
-from p2p_diloco.net.screening import accused, member_weights, part_problem, sane_contribution
+from p2p_diloco.net.averaging.aggregators import Aggregator, centered_clip, clipped_mean, trimmed_mean, weighted_mean
+from p2p_diloco.net.averaging.screening import accused, member_weights, part_problem, sane_contribution
 
 
 def _parts(n=5, size=64, seed=0):
@@ -109,7 +109,7 @@ def test_an_attacker_is_bounded_by_robust_rules_and_not_by_the_mean():
 
 @pytest.mark.timeout(30)
 def test_holding_reducer_combines_in_sender_order_and_measures_what_it_holds():
-    from p2p_diloco.net.allreduce import HoldingPartReducer
+    from p2p_diloco.net.averaging.allreduce import HoldingPartReducer
 
     xs, ws = _parts(n=4, size=500)
     agg = Aggregator("trimmed_mean")
@@ -167,7 +167,7 @@ def test_part_problems_are_named():
 def test_attack_modes_change_what_is_sent():
     from hivemind.proto import averaging_pb2
 
-    from p2p_diloco.net.wire import decode_part
+    from p2p_diloco.net.averaging.wire import decode_part
     from p2p_diloco.ops.faults import parse_attack
 
     base = [torch.ones(10), torch.full((3,), 2.0)]

@@ -43,7 +43,7 @@ class ReferenceDiLoCo:
 
     ``cfg.run.rounds`` and ``cfg.diloco.inner_steps`` set the inner lr schedule as on a peer. ``codec``: None
     averages exactly in fp32; 'fp32', 'fp16' or 'scaled_fp16' round-trip every contribution and the average
-    through hivemind's codec of that name first (the all-reduce's precision, up to which part a peer reduces).
+    through the wire codec of that name first (net/averaging/wire.py: the all-reduce's precision).
     ``plain_rounds``: the first rounds average plainly (θ_global ← the mean of the replicas), without the outer step.
     ``combine(parts, weights)``: replaces the weighted mean, per parameter tensor (a robust aggregator, as a reducer
     applies it per part); ``tamper(replica, round, delta)``: changes a replica's pseudo-gradient in place before it is
@@ -131,12 +131,13 @@ class ReferenceDiLoCo:
     def _wire(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.codec is None:
             return tensors
-        from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor  # only for emulation
+        from hivemind.compression import CompressionInfo  # only for emulation
 
-        from p2p_diloco.net.averaging import CODECS
+        from p2p_diloco.net.averaging.wire import WireCodec, decode_part
 
-        kind = CODECS[self.codec].compression_type
-        return [deserialize_torch_tensor(serialize_torch_tensor(t.flatten(), kind)).view_as(t) for t in tensors]
+        codec = WireCodec(self.codec, self.cfg.averaging.part_size_bytes)
+        flat = [t.detach().flatten() for t in tensors]
+        return [decode_part(codec.compress(f, CompressionInfo.from_tensor(f))).view_as(t) for f, t in zip(flat, tensors)]
 
 
 def _norm(tensors: list[torch.Tensor]) -> float:

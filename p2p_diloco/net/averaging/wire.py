@@ -19,7 +19,7 @@ from hivemind.compression import (CompressionBase, CompressionInfo, Float16Compr
                                   ScaledFloat16Compression, deserialize_torch_tensor)
 from hivemind.proto import runtime_pb2
 
-from p2p_diloco.net.codecs import BLOCK_CODECS
+from p2p_diloco.net.averaging.codecs import BLOCK_CODECS
 
 HIVEMIND_CODECS = {"scaled_fp16": ScaledFloat16Compression, "fp16": Float16Compression, "fp32": NoCompression}
 CODEC_NAMES = (*HIVEMIND_CODECS, *BLOCK_CODECS)

@@ -30,7 +30,7 @@ from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PContext, P2PDaemonError
 from hivemind.proto import averaging_pb2, runtime_pb2
 
-from p2p_diloco.net.reducer_checks import describe_equivocations, equivocations
+from p2p_diloco.net.averaging.reducer_checks import describe_equivocations, equivocations
 
 logger = logging.getLogger(__name__)
 DIGEST_BYTES = 32

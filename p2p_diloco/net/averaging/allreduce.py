@@ -28,10 +28,10 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 
-from p2p_diloco.net.aggregators import Aggregator
-from p2p_diloco.net.screening import part_problem
-from p2p_diloco.net.verify import ReducerDigests, part_digest
-from p2p_diloco.net.wire import WireCodec, decode_part
+from p2p_diloco.net.averaging.aggregators import Aggregator
+from p2p_diloco.net.averaging.screening import part_problem
+from p2p_diloco.net.averaging.verify import ReducerDigests, part_digest
+from p2p_diloco.net.averaging.wire import WireCodec, decode_part
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,17 @@
+"""Averaging pseudo-gradients among a group: the canonical butterfly all-reduce and everything it checks.
+
+  contribution.py    what a member announces, a round's outcome, who takes part (pure)
+  averager.py        CanonicalAverager: hivemind's averager process running our all-reduce
+  allreduce.py       CanonicalAllReduceRunner: reducers stream the encoded average itself; all or nothing
+  seam.py            Averager: the one object a peer talks to (buffers, average, state transfer)
+  wire.py, codecs.py the wire formats (fp32, fp16, int8, int4, e3m0) and error feedback
+  screening.py       who is left out and with what weight, from the gathered list (pure)
+  aggregators.py     mean, clipped mean, CenteredClip, trimmed mean per part (pure)
+  verify.py          reducer checks: members compare digests of the averaged bytes they received
+  reducer_checks.py  the pure part of those checks and the capped share of the vector
+"""
+
+from p2p_diloco.net.averaging.contribution import AverageResult, Contribution, choose_participants
+from p2p_diloco.net.averaging.seam import Averager, PendingAverage
+
+__all__ = ["AverageResult", "Contribution", "choose_participants", "Averager", "PendingAverage"]

@@ -1,0 +1,253 @@
+"""The only user of hivemind's averager: a canonical, all-or-nothing butterfly all-reduce of pseudo-gradients.
+
+Why not hivemind's stock all-reduce (HIVEMIND.md, facts 1 and 2):
+  * its reducer sends each sender ``lossy(avg - that sender's part)``, which the sender adds to its own tensor, so every
+    peer ends with different bytes; and
+  * when a reducer dies its part silently keeps each peer's own values, and a failed sender is dropped from the parts
+    it had not sent yet, so parts end up averaged over different peers, all reported as success.
+
+What we do instead, keeping hivemind's matchmaking, transport and part streaming:
+  * each reducer encodes the average of its part once (with the run's codec) and streams *those bytes* to every sender;
+    every peer, the reducer included, decodes the same bytes, so all peers hold bit-identical results;
+  * a reducer that loses any sender stops serving results at once (it would otherwise average later parts over
+    fewer peers); and
+  * a peer that misses any part from any reducer fails the round: a partial average is never applied.
+Before the all-reduce, every member sees the same gathered metadata (round, θ_global digest, tokens) and derives the
+same set of participants: members whose (round, digest) is not the group's majority contribute with weight 0, and
+so do members that most others name as suspects (screening.py: a reducer refused a malformed contribution of theirs
+in an earlier round). The weight each participant sends, and each reducer expects, is derived from that same list.
+
+We subclass ``AllReduceRunner`` and override ``DecentralizedAverager._aggregate_with_group`` /
+``_run_allreduce_inplace_``, which are private: hivemind is pinned to exactly 1.1.12 for this reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator, Optional
+
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import AllreduceException
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
+from hivemind.utils.streaming import combine_from_streaming
+
+from p2p_diloco.net import dht as _dht  # noqa: F401  (imported first for its torch sharing-strategy setting)
+from p2p_diloco.net.averaging.aggregators import Aggregator
+from p2p_diloco.net.averaging.allreduce import CanonicalAllReduceRunner
+from p2p_diloco.net.gate import MemberGate, contribution_proof
+from p2p_diloco.net.averaging.screening import accused, member_weights, sane_contribution
+from p2p_diloco.net.averaging.reducer_checks import capped_fractions, sane_bandwidths
+from p2p_diloco.net.averaging.verify import PartVerifier
+from p2p_diloco.net.averaging.wire import WireCodec
+from p2p_diloco.ops.procs import become_child_process
+
+from p2p_diloco.net.averaging.contribution import Contribution, choose_participants
+
+
+logger = logging.getLogger(__name__)
+
+
+class MalformedRound(Exception):
+    """A reducer refused a member's contribution: the round fails on every member, the culprits are named."""
+
+    def __init__(self, culprits: dict):
+        self.culprits = culprits  # peer id (base58) -> why
+        super().__init__("; ".join(f"{p}: {why}" for p, why in culprits.items()))
+
+
+class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
+    """DecentralizedAverager running :class:`CanonicalAllReduceRunner`; its process dies with its parent. In a
+    private run (``access_keys``) it serves members only (net/gate.py). With ``verify_parts``, members compare the
+    digests of the averaged parts they received before a round counts (net/averaging/verify.py); ``max_share`` caps the share
+    of the vector one member reduces (net/averaging/reducer_checks.py)."""
+
+    _rpc_handlers = None  # collect our own rpc_* methods (rpc_admit), not a list inherited from the parent class
+
+    def __init__(self, *args, codec: WireCodec, average_codec: WireCodec, min_participants: int, fault=None,
+                 aggregator: Aggregator = Aggregator(), weight_by_tokens: bool = True, max_weight_ratio: float = 8.0,
+                 attack=None, access_keys=None, revoked: frozenset = frozenset(), verify_parts: bool = False,
+                 max_share: float = float("inf"), equivocate_from: Optional[int] = None, **kwargs):
+        self._init_gate(access_keys, revoked)
+        self._average_codec = average_codec
+        self._min_participants = min_participants
+        self._fault = fault
+        self._aggregator, self._attack = aggregator, attack
+        self._weight_by_tokens, self._max_weight_ratio = weight_by_tokens, max_weight_ratio
+        self._verify_parts_on, self._max_share, self._equivocate_from = verify_parts, max_share, equivocate_from
+        self._verifications = {}
+        self.state_provider = None  # set in the host process: () -> (metadata dict, tensors)
+        super().__init__(*args, compression=codec, **kwargs)
+
+    def run(self):
+        become_child_process()
+        super().run()
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, weight: float, **kwargs):
+        self._verify_until = time.monotonic() + self._allreduce_timeout - 1.0  # inside the step's own deadline
+        verification, error = None, None
+        try:
+            bandwidths, mode_ids, gathered = zip(*map(self.serializer.loads, group_info.gathered))
+            contributions = [self._contribution(g) for g in gathered]
+            peer_ids = [str(p) for p in group_info.peer_ids]
+            members = choose_participants(contributions, peer_ids)
+            weights = member_weights([c.tokens for c in contributions], members, self._weight_by_tokens,
+                                     self._max_weight_ratio)
+            await self._check_group(group_info.group_id, group_info.peer_ids, [contribution_proof(g) for g in gathered])
+            me = group_info.peer_ids.index(self.peer_id)
+            summary = dict(members=[contributions[i].name for i in members], member_of=me in members,
+                           tokens=sum(contributions[i].tokens for i in members),
+                           group_round=contributions[members[0]].round if members else None,
+                           speeds=[c.steps_per_s for c in contributions])
+            if len(members) < self._min_participants:
+                raise AllreduceException(f"only {len(members)} of {len(contributions)} members agree on θ_global")
+            left_out = accused(peer_ids, [c.suspects for c in contributions])  # they reduce nothing either
+            download_bandwidths = [b if AveragingMode(m) != AveragingMode.CLIENT and i not in left_out else 0.0
+                                   for i, (b, m) in enumerate(zip(bandwidths, mode_ids))]
+            peer_fractions = await self._reducer_fractions(download_bandwidths, min_vector_size)
+            if self._verify_parts_on:  # members are named with the end of their (authenticated) peer id
+                labels = [f"{c.name} (…{p[-6:]})" for c, p in zip(contributions, peer_ids)]
+                verification = self._open_verification(group_info, labels)
+            started = time.monotonic()
+            try:
+                stats = await self._allreduce_round(group_info, contributions[me].round + 1,
+                                                    peer_fractions=peer_fractions, weights=weights, **kwargs)
+            except MalformedRound as e:  # every member fails this round and learns whom to leave out
+                stats = _malformed_summary(e.culprits, contributions, peer_ids)
+            digests = stats.pop("digests", None)
+            if verification is not None and digests is not None:  # a failed round is never committed
+                await self._verify_parts(group_info, verification, digests)
+            return dict(summary, allreduce_seconds=time.monotonic() - started, **stats)
+        except BaseException as e:
+            error = e
+            raise MatchmakingException(f"all-reduce failed: {e!r}") from None
+        finally:
+            self._close_verification(group_info.group_id, verification, error)
+
+    async def _reducer_fractions(self, download_bandwidths, min_vector_size: int) -> list[float]:
+        """The share of the vector each member reduces: hivemind's load balancing of the declared bandwidths (not
+        a finite number >= 0: undeclared), capped at ``max_share`` x an equal share (net/averaging/reducer_checks.py)."""
+        download = sane_bandwidths(download_bandwidths)
+        sizes = await asyncio.get_event_loop().run_in_executor(
+            None, load_balance_peers, self.total_size, download, min_vector_size)
+        return capped_fractions(sizes, [b != 0.0 for b in download], self._max_share)
+
+    async def _allreduce_round(self, group_info, round_: int, weights: list, **kwargs) -> dict:
+        """The all-reduce of our buffers, with the test-only faults and attacks due in ``round_``."""
+        fault = self._fault if self._fault and self._fault.due("allreduce", round_) else None
+        attack = self._attack if self._attack is not None and self._attack.due(round_) else None
+        equivocate = self._equivocate_from is not None and round_ >= self._equivocate_from
+        me = group_info.peer_ids.index(self.peer_id)
+        async with enter_asynchronously(self.get_tensors()) as local_tensors:
+            if self._attack is not None:
+                self._attack.on_tensors(local_tensors, round_)
+            return await self._run_allreduce_inplace_(
+                local_tensors, group_info, weight=weights[me], weights=weights, aggregator=self._aggregator,
+                attack=attack, fault=fault, equivocate=equivocate, **kwargs)
+
+    def _contribution(self, gathered) -> Contribution:
+        """A member's gathered record; one that is not a well-formed contribution counts as one with no tokens."""
+        try:
+            raw = self.serializer.loads(gathered)
+        except Exception:  # noqa: BLE001 - anything a member can send
+            raw = None
+        return Contribution(**sane_contribution(raw))
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = CanonicalAllReduceRunner(
+            p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids, average_codec=self._average_codec, **kwargs)
+        self._running_groups[group_id].set_result(runner)
+        try:
+            async for tensor, averaged in azip(as_aiter(*tensors), runner):
+                tensor.copy_(averaged)  # copy, not add: every peer ends with the same decoded bytes
+        except Exception:
+            if not runner.malformed:
+                raise
+        if runner.malformed:
+            raise MalformedRound({str(p): why for p, why in runner.malformed.items()})
+        if runner.failed_reducers or runner.tensor_part_container.failed_size:
+            raise AllreduceException(f"lost parts of reducer(s) {sorted(map(str, runner.failed_reducers))}")
+        return dict(bytes_sent=runner.bytes_sent, bytes_received=runner.bytes_received,
+                    reducer_bytes=runner.reducer_peak_bytes, digests=runner.part_digests.digests())
+
+    # ------------------------------------------------------------------------------------------ state for joiners
+    def get_current_state(self):
+        """Runs in the host process (hivemind's state thread): a consistent snapshot of θ_global and momentum."""
+        if self.state_provider is None:
+            raise RuntimeError("no state to serve yet")
+        metadata, tensors = self.state_provider()
+        return metadata, tensors, None
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        served = 0
+        async for message in super().rpc_download_state(request, context):
+            yield message
+            served += 1
+            if self._fault is not None and served == 1 and self._fault.phase == "serving":
+                self._fault.strike()  # armed from the round it names on: see Averager.serve_state
+
+    async def _download_state(self, future, donors: list, timeout: float):
+        """Try ``donors`` (base58 peer ids) in order; resolve ``future`` with (metadata, tensors, donor) or None."""
+        try:
+            for donor in donors:
+                try:
+                    result = await asyncio.wait_for(self._download_from(PeerID.from_base58(donor)), timeout)
+                except Exception as e:
+                    logger.warning(f"state download from {donor} failed: {e!r}")
+                    continue
+                if result is not None:
+                    future.set_result((*result, donor))
+                    return
+            future.set_result(None)
+        except BaseException as e:
+            if not future.done():
+                future.set_exception(e)
+            raise
+
+    async def _download_from(self, donor):
+        stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
+        await self._prove_membership(stub)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, parts, tensors = None, [], []
+        async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout):
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return (metadata, tensors) if metadata is not None else None
+
+    async def _set_deadlines(self, allreduce_timeout: float, next_chunk_timeout: float, matchmaking_time: float):
+        self._allreduce_timeout = allreduce_timeout
+        self.next_chunk_timeout = next_chunk_timeout
+        self.allreduce_kwargs.update(sender_timeout=next_chunk_timeout, reducer_timeout=2 * next_chunk_timeout)
+        self._matchmaking.min_matchmaking_time = matchmaking_time
+        self._matchmaking.potential_leaders.min_matchmaking_time = matchmaking_time
+
+    async def _arm_fault(self, fault):
+        self._fault = fault
+
+    async def _set_target_group_size(self, size: int):
+        self._matchmaking.target_group_size = size
+        self._matchmaking.potential_leaders.target_group_size = size
+
+
+def _malformed_summary(culprits: dict, contributions, peer_ids) -> dict:
+    """A round failed on a malformed contribution: who sent what, for the result and its error text."""
+    malformed = {p: (contributions[peer_ids.index(p)].name if p in peer_ids else "?", why)
+                 for p, why in culprits.items()}
+    return dict(malformed=malformed, error="round failed, malformed contribution refused: " +
+                "; ".join(f"{name} ({p}): {why}" for p, (name, why) in malformed.items()))

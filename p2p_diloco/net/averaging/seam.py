@@ -1,0 +1,255 @@
+"""The averaging seam a peer uses (:class:`Averager`): shared pseudo-gradient buffers, one ``average()`` (or
+``start_average()``, for overlap) per round, state serving and downloads; the all-reduce itself runs in
+averager.py's process."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import asdict, replace
+from typing import Iterator, Optional, Sequence
+
+import torch
+from hivemind.averaging.control import AveragingStage
+from hivemind.utils import MPFuture
+
+from p2p_diloco.net.averaging.aggregators import Aggregator
+from p2p_diloco.config import AveragingConfig
+from p2p_diloco.net.averaging.codecs import ErrorFeedback
+from p2p_diloco.net.deadlines import DeadlineEstimator
+from p2p_diloco.net.averaging.wire import WireCodec, payload_bytes
+from p2p_diloco.net.averaging.contribution import AverageResult, Contribution
+from p2p_diloco.net.averaging.averager import CanonicalAverager
+
+
+logger = logging.getLogger(__name__)
+
+
+class Averager:
+    """The averaging seam used by a peer: shared pseudo-gradient buffers and one ``average()`` call per round.
+
+    The buffers are allocated once (in shared memory) with the shapes of the model's parameters. A round writes the
+    pseudo-gradient into them inside ``with averager.pseudo_grads() as bufs:``, then calls :meth:`average`; if the
+    result is ``ok``, the buffers hold the canonical weighted average, bit-identical on every peer of the group.
+    ``error_feedback`` (an :class:`~p2p_diloco.net.codecs.ErrorFeedback`, or None when off) is the peer's to use:
+    add its residual to the pseudo-gradient before averaging, commit it with the round.
+    """
+
+    def __init__(self, dht, cfg: AveragingConfig, prefix: str, shapes: Sequence[torch.Size], *,
+                 client_mode: bool = False, expected_group_size: Optional[int] = None, fault=None,
+                 weight_by_tokens: bool = True, attack=None, access=None, equivocate_from: Optional[int] = None):
+        self.cfg = cfg
+        self.access = access  # net/auth.Access of a private run, None in an open run
+        self.client_mode = client_mode
+        self.fault = fault
+        self.suspects: dict[str, int] = {}  # peer id -> the last round we leave it out of (a reducer named it)
+        self._offenses: dict[str, int] = {}
+        buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+        # error feedback's pending residual is written by the averager's process: allocate it (shared) before the fork
+        self.error_feedback = ErrorFeedback(shapes) if cfg.error_feedback else None
+        codec = WireCodec(cfg.codec, cfg.part_size_bytes,
+                          residuals=self.error_feedback.pending if self.error_feedback else None)
+        self._averager = CanonicalAverager(
+            buffers, dht, start=True, prefix=prefix, codec=codec, min_participants=cfg.min_group_size,
+            average_codec=WireCodec(cfg.average_codec or cfg.codec, cfg.part_size_bytes),
+            fault=fault if fault is not None and fault.phase == "allreduce" else None, attack=attack,
+            aggregator=Aggregator(cfg.aggregator, cfg.clip_multiple, cfg.centered_clip_iters, cfg.trim_fraction),
+            weight_by_tokens=weight_by_tokens, max_weight_ratio=cfg.max_weight_ratio,
+            access_keys=access.keys if access else None, revoked=access.revoked if access else frozenset(),
+            verify_parts=cfg.verify_parts, max_share=cfg.max_share, equivocate_from=equivocate_from,
+            target_group_size=expected_group_size or cfg.target_group_size, min_group_size=cfg.min_group_size,
+            min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
+            allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
+            part_size_bytes=cfg.part_size_bytes, client_mode=client_mode, allow_state_sharing=False,
+            shutdown_timeout=5)
+        self._group_size = expected_group_size or cfg.target_group_size
+        payload = payload_bytes(sum(b.numel() for b in buffers), cfg.codec, cfg.average_codec)
+        self._estimator = DeadlineEstimator(cfg.allreduce_timeout, cfg.next_chunk_timeout, cfg.part_size_bytes,
+                                            payload_bytes=payload,
+                                            matchmaking_floor=cfg.matchmaking_time)
+        self.deadlines = self._estimator.deadlines(self._group_size)
+        self._pending: Optional[PendingAverage] = None  # an all-reduce under way (start_average)
+
+    @property
+    def peer_id(self) -> str:
+        return str(self._averager.peer_id)
+
+    @contextlib.contextmanager
+    def pseudo_grads(self) -> Iterator[Sequence[torch.Tensor]]:
+        """The shared buffers; the averager does not touch them while this context is open."""
+        if self._pending is not None:
+            raise RuntimeError("the buffers belong to an all-reduce under way: take its result() first")
+        with self._averager.get_tensors() as tensors:
+            yield tensors
+
+    @property
+    def matchmaking_timeout(self) -> float:
+        """How long a peer may look for a group (s): two matchmaking windows plus a request round trip."""
+        return 2 * self.deadlines.matchmaking_time + self.cfg.request_timeout
+
+    def observe_round(self, seconds: float) -> None:
+        """A whole round's wall time (inner steps and averaging), for the matchmaking window."""
+        self._estimator.observe_round(seconds)
+
+    def average(self, contribution: Contribution, weight: float) -> AverageResult:
+        """Find a group and all-reduce the buffers; never raises, never waits beyond the configured timeouts."""
+        return self.start_average(contribution, weight).result()
+
+    def start_average(self, contribution: Contribution, weight: float) -> "PendingAverage":
+        """Start :meth:`average` in the averager's process and return at once (``diloco.overlap``). Until the
+        pending average's ``result()`` is taken, the buffers belong to the averager: :meth:`pseudo_grads` refuses."""
+        self._update_deadlines()
+        contribution = replace(contribution, suspects=[p for p, last in self.suspects.items()
+                                                       if last > contribution.round])
+        pending = PendingAverage(self, contribution)
+        try:
+            contribution = replace(contribution, proof=self._proof())
+            pending.control = self._averager.step(gather=asdict(contribution), weight=float(weight), wait=False,
+                                                  timeout=self.matchmaking_timeout, allow_retries=False)
+            if self.fault is not None and self.fault.due("matchmaking", contribution.round + 1):
+                self._strike_in_matchmaking(pending.control)
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            pending.error = _one_line(e)
+        self._pending = pending
+        return pending
+
+    def _finish(self, out: dict, seconds: float, round_: int) -> AverageResult:
+        result = AverageResult(ok=out["member_of"] and "error" not in out, group_size=len(out["members"]),
+                               peers=out["members"], tokens=out["tokens"], bytes_sent=out.get("bytes_sent", 0),
+                               bytes_received=out.get("bytes_received", 0), seconds=seconds,
+                               allreduce_seconds=out["allreduce_seconds"], group_round=out["group_round"],
+                               speeds=out["speeds"], reducer_bytes=out.get("reducer_bytes", 0),
+                               malformed=out.get("malformed", {}))
+        if "error" in out:
+            result.error = out["error"]
+            self._suspect(result.malformed, round_)
+            return result
+        self._estimator.observe(out["bytes_sent"] + out["bytes_received"], out["allreduce_seconds"])
+        if not out["member_of"]:
+            result.stale, result.error = True, f"the group averaged round {out['group_round']} of another θ_global"
+        return result
+
+    def _suspect(self, malformed: dict, round_: int) -> None:
+        """Members a reducer refused: left out of our averages for suspect_rounds committed rounds after round_ − 1
+        (doubled at each repeat), by naming them in our contributions (a majority of members must agree)."""
+        for peer in malformed:
+            if peer == self.peer_id or not self.cfg.suspect_rounds:
+                continue
+            self._offenses[peer] = self._offenses.get(peer, 0) + 1
+            self.suspects[peer] = round_ - 1 + self.cfg.suspect_rounds * 2 ** (self._offenses[peer] - 1)
+            logger.warning(f"member {malformed[peer][0]} ({peer}) sent a malformed contribution "
+                           f"({malformed[peer][1]}): left out of our averages through round {self.suspects[peer]}")
+
+    def serve_state(self, provider, round_: int) -> None:
+        """Offer our state to joiners: ``provider() -> (metadata, tensors)``; donors of later rounds are preferred."""
+        if self.client_mode:
+            return  # unreachable peers cannot serve
+        self._averager.state_provider = provider
+        self._averager.state_sharing_priority = float(round_ + 1)
+        self._averager.allow_state_sharing = True
+        if self.fault is not None and self.fault.phase == "serving" and round_ + 1 >= self.fault.round:
+            # the averager process holds its own copy of the fault: arm it there for this round only
+            self._averager._outer_pipe.send(("_arm_fault", [], dict(fault=self.fault)))
+
+    def stop_serving(self) -> None:
+        if self._averager.allow_state_sharing:
+            self._averager.allow_state_sharing = False
+
+    def download_state(self, donors: Sequence[str]):
+        """Fetch (metadata, tensors, donor) from the first of ``donors`` that answers; None if none did.
+
+        Each donor gets ``averaging.state_timeout`` seconds; at most ``averaging.state_attempts`` donors are tried.
+        """
+        donors = list(donors)[: self.cfg.state_attempts]
+        if not donors:
+            return None
+        future = MPFuture()
+        self._averager._outer_pipe.send(("_download_state", [], dict(future=future, donors=donors,
+                                                                       timeout=self.cfg.state_timeout)))
+        try:
+            return future.result(timeout=self.cfg.state_timeout * len(donors) + 10)
+        except Exception as e:
+            logger.warning(f"state download failed: {_one_line(e)}")
+            return None
+
+    def _proof(self) -> str:
+        return self.access.keys.proof(self._averager.peer_id.to_bytes()).hex() if self.access else ""
+
+    def access_changed(self) -> None:
+        """A new secret or revocations (net/auth.Access.refresh): tell the averager's process."""
+        self._averager._outer_pipe.send(("_set_access", [], dict(keys=self.access.keys,
+                                                                 revoked=self.access.revoked)))
+
+    def set_group_size(self, size: int) -> None:
+        """Start each round's all-reduce as soon as ``size`` peers (the live roster) have gathered."""
+        size = max(self.cfg.min_group_size, min(size, self.cfg.target_group_size))
+        if size != self._group_size:
+            self._group_size = size
+            self._averager._outer_pipe.send(("_set_target_group_size", [], dict(size=size)))
+
+    def _update_deadlines(self) -> None:
+        """Deadlines for the coming round from measurements (p2p_diloco/net/deadlines.py); sent to the averager."""
+        deadlines = self._estimator.deadlines(self._group_size)
+        if deadlines != self.deadlines:
+            self.deadlines = deadlines
+            # step() reads the matchmaking window in this process, the matchmaker in the averager process
+            self._averager.matchmaking_kwargs["min_matchmaking_time"] = deadlines.matchmaking_time
+            self._averager._outer_pipe.send(("_set_deadlines", [], asdict(deadlines)))
+
+    def _strike_in_matchmaking(self, control) -> None:
+        """Fault injection: fail while the averager looks for a group (declared in the DHT, or being joined)."""
+        while control.stage == AveragingStage.IDLE and not control.done():
+            time.sleep(0.01)  # the stage lives in the averager process; it changes within milliseconds
+        time.sleep(0.2)  # let the declaration reach the DHT, so that others may be grouping with us
+        self.fault.strike()
+
+    def close(self) -> None:
+        if self._averager.is_alive():
+            self._averager.shutdown()
+
+
+class PendingAverage:
+    """An all-reduce under way in the averager's process (:meth:`Averager.start_average`)."""
+
+    def __init__(self, averager: Averager, contribution: Contribution):
+        self.averager, self.contribution = averager, contribution
+        self.control = None  # hivemind's StepControl, once the step has started
+        self.error: Optional[str] = None  # the step failed to start
+        self.started = time.perf_counter()
+        self.waited = 0.0  # seconds result() blocked its caller
+        self._result: Optional[AverageResult] = None
+
+    def done(self) -> bool:
+        return self._result is not None or self.control is None or self.control.done()
+
+    def result(self) -> AverageResult:
+        """The outcome; waits at most for the matchmaking and all-reduce deadlines. Never raises; frees the buffers."""
+        if self._result is None:
+            begun = time.perf_counter()
+            self._result = self._wait()
+            self.waited = time.perf_counter() - begun
+            if self.averager._pending is self:
+                self.averager._pending = None
+        return self._result
+
+    def _wait(self) -> AverageResult:
+        if self.control is None:
+            return AverageResult(ok=False, seconds=time.perf_counter() - self.started, error=self.error)
+        budget = self.averager.matchmaking_timeout + self.averager.deadlines.allreduce_timeout + 10
+        try:  # the budget runs from the start: a round that trained meanwhile does not extend it
+            out = self.control.result(timeout=max(5.0, self.started + budget - time.perf_counter()))
+        except BaseException as e:
+            if not self.control.done():
+                self.control.cancel()
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            return AverageResult(ok=False, seconds=time.perf_counter() - self.started, error=_one_line(e))
+        return self.averager._finish(out, time.perf_counter() - self.started, self.contribution.round + 1)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"[:300]
