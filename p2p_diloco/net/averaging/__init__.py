@@ -12,6 +12,14 @@
 """
 
 from p2p_diloco.net.averaging.contribution import AverageResult, Contribution, choose_participants
-from p2p_diloco.net.averaging.seam import Averager, PendingAverage
 
 __all__ = ["AverageResult", "Contribution", "choose_participants", "Averager", "PendingAverage"]
+
+
+def __getattr__(name: str):
+    """The seam on first use, so that importing a pure module of this package does not import hivemind."""
+    if name in ("Averager", "PendingAverage"):
+        from p2p_diloco.net.averaging import seam
+
+        return getattr(seam, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
