@@ -126,6 +126,13 @@ def test_outsiders_are_refused_everywhere_and_the_members_rounds_are_their_own(p
     assert allowed["join_group"] != "PROTOCOL_VIOLATION", allowed
     assert not allowed["download"].startswith("0 bytes") and "ACCEPTED" in allowed["download"], allowed
 
+    # `p2p-diloco status` runs while the revocation below goes on (the forgery is checked in its view at the end)
+    status = subprocess.Popen([sys.executable, "-m", "p2p_diloco", "status", "--json", "--initial-peers",
+                               _bootstrap(info), "--run.run_id=private-test",
+                               f"--network.secret_file={info['secret_file']}",
+                               "--network.host_maddrs=/ip4/127.0.0.1/tcp/0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+
     # ... until it is revoked, without restarting anyone
     with open(run_dir / "revoke.log", "w") as log:
         revoke = subprocess.Popen([sys.executable, "-m", "p2p_diloco", "revoke", member_id, "--initial-peers",
@@ -134,8 +141,9 @@ def test_outsiders_are_refused_everywhere_and_the_members_rounds_are_their_own(p
                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
         assert revoke.wait(timeout=60) == 0, _log(run_dir, "revoke")
+        view, _ = status.communicate(timeout=60)
     finally:
-        stop_groups([revoke.pid])
+        stop_groups([revoke.pid, status.pid])
     for node in ("bootstrap", "peer0", "peer1"):
         _wait(lambda: member_id in "".join(re.findall(r"revoked peers: .*", _log(run_dir, node))), 40,
               f"{node} to read the revocation")
@@ -152,11 +160,8 @@ def test_outsiders_are_refused_everywhere_and_the_members_rounds_are_their_own(p
     # nobody took the forged entry (round 999) for peer1's: no repair toward it, not in `p2p-diloco status`
     assert f"ignored a DHT record in the name of {victim}" in _log(run_dir, "peer0")
     assert not any("round 999" in _log(run_dir, n) for n in ("peer0", "peer1")), "a member believed the forgery"
-    status = subprocess.run([sys.executable, "-m", "p2p_diloco", "status", "--json", "--initial-peers", _bootstrap(info),
-                             "--run.run_id=private-test", f"--network.secret_file={info['secret_file']}",
-                             "--network.host_maddrs=/ip4/127.0.0.1/tcp/0"], capture_output=True, text=True, timeout=60)
-    peers = {p["peer_id"]: p for run in json.loads(status.stdout)["runs"] for p in run["peers"]}
-    assert victim in peers and peers[victim]["name"] == "peer1" and peers[victim]["round"] < 999, status.stdout
+    peers = {p["peer_id"]: p for run in json.loads(view)["runs"] for p in run["peers"]}
+    assert victim in peers and peers[victim]["name"] == "peer1" and peers[victim]["round"] < 999, view
 
     # the members' rounds: all committed by both, with both alone in the group and the same θ_global
     last = max(r["round"] for r in _rounds(run_dir, "peer0"))
