@@ -165,7 +165,9 @@ class Peer:
         self.averager = Averager(self.dht, self.cfg.averaging, prefix, [p.shape for p in self.state.params],
                                  client_mode=choice.mode == "client", fault=self.fault, access=self._access(),
                                  weight_by_tokens=self.cfg.diloco.weight_by_tokens,
-                                 attack=parse_attack(self.cfg.fault.attack, self.cfg.fault.attack_from))
+                                 attack=parse_attack(self.cfg.fault.attack, self.cfg.fault.attack_from),
+                                 equivocate_from=self.cfg.fault.attack_from if self.cfg.fault.attack == "equivocate"
+                                 else None)
         self.membership = Membership(self.cfg, self.dht, self.averager, prefix, self.name, self.state,
                                      self.fingerprint, self.metrics, self.stop_event, self.log,
                                      reachability=choice.mode)

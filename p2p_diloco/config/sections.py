@@ -173,6 +173,14 @@ class AveragingConfig:
                              "weight) is left out of the average for this many rounds by every member that saw it "
                              "(doubled at each repeat); 0: never left out, each attempt fails one round",
                              "rounds", _non_negative, "must be >= 0", shared=True)
+    verify_parts: bool = _f(True, "reducer checks: before committing a round, every member compares the sha256 of "
+                            "the averaged parts it received from each reducer with every other member's; a reducer "
+                            "that sent different bytes to different members fails the round and is named (cost: "
+                            "BENCHMARKS.md, reducer checks)", shared=True)
+    max_share: float = _f(2.0, "most of the vector one member reduces, as a multiple of an equal share (1 / the "
+                          "members that can reduce): a declared bandwidth cannot get it more (up to one part more, "
+                          "from part boundaries); 1: equal shares", "x equal share", lambda x: x >= 1,
+                          "must be >= 1", shared=True)
 
 
 def _readable_secret(path: str) -> bool:

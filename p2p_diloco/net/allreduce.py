@@ -30,6 +30,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 
 from p2p_diloco.net.aggregators import Aggregator
 from p2p_diloco.net.screening import part_problem
+from p2p_diloco.net.verify import ReducerDigests, part_digest
 from p2p_diloco.net.wire import WireCodec, decode_part
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class CanonicalAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose reducers stream the encoded average itself; any lost part fails the whole run."""
 
     def __init__(self, *, average_codec: WireCodec, fault=None, weights=None, aggregator: Aggregator = Aggregator(),
-                 attack=None, **kwargs):
+                 attack=None, equivocate: bool = False, **kwargs):
         super().__init__(**kwargs)
         # the weight each sender must send (screening.member_weights); None: trust the message (benchmarks' callers)
         self.weights = dict(zip(self.ordered_peer_ids, weights)) if weights is not None else None
@@ -51,12 +52,14 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         self.codec: WireCodec = kwargs["compression"]  # senders' parts (it records error-feedback residuals)
         self.average_codec = average_codec  # the averages reducers send back
         self.fault = fault  # faults.Fault to strike once this reducer has streamed an averaged part (tests)
+        self.equivocate = equivocate  # fault.attack=equivocate: other averaged bytes to every other sender (tests)
         self.tensor_part_container.return_deltas = False
         self.failed_reducers: set = set()
         self.bytes_sent = 0
         self.bytes_received = 0
         self._encoded_averages: dict[int, asyncio.Future] = {}
         self._parts_received = [0] * len(self.ordered_peer_ids)  # averaged parts registered, by reducer index
+        self.part_digests = ReducerDigests(len(self.ordered_peer_ids))  # what we received, for reducer checks
         own = self.tensor_part_container._input_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)]
         self._own_infos = [info for _, info in own]  # where each of our parts lies in its tensor
 
@@ -128,6 +131,7 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, mine, weight=weight)
             self._check_senders_intact()
             encoded = await self._encode_average(part_index, averaged)
+            self.part_digests.add(peer_index, part_digest(encoded))
             decoded = await loop.run_in_executor(None, decode_part, encoded)
             self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
             self._parts_received[peer_index] += 1
@@ -174,11 +178,12 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             if msg.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
             self.bytes_received += len(msg.tensor_part.buffer)
-            return decode_part(msg.tensor_part)
+            return part_digest(msg.tensor_part), decode_part(msg.tensor_part)
 
         part_index, expected = 0, self.tensor_part_container.num_parts_by_peer[peer_index]
-        async for averaged in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
-                                               max_prefetch=self.tensor_part_container.prefetch):
+        async for digest, averaged in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
+                                                       max_prefetch=self.tensor_part_container.prefetch):
+            self.part_digests.add(peer_index, digest)  # in part order (decoding may run ahead, in threads)
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
             self._parts_received[peer_index] += 1
             part_index += 1
@@ -220,6 +225,8 @@ class CanonicalAllReduceRunner(AllReduceRunner):
                     yield self._refusal()
                     return
                 encoded = await self._encode_average(part_index, averaged)
+                if self.equivocate and self._deceived(sender_index):
+                    encoded = await self._lie(averaged, part_index)
                 part_index += 1
                 self.bytes_sent += len(encoded.buffer)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
@@ -255,6 +262,18 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             return None
         shape = self.tensor_part_reducer.part_shapes[part_index]
         return part_problem(part, shape, weight, self._expected_weight(peer, weight))
+
+    def _deceived(self, sender_index: int) -> bool:
+        """fault.attack=equivocate: every other sender (ourselves excepted) gets other bytes than the rest."""
+        others = [p for p in self.sender_peer_ids if p != self.peer_id]
+        return others.index(self.sender_peer_ids[sender_index]) % 2 == 1
+
+    async def _lie(self, averaged: torch.Tensor, part_index: int):
+        """The average's sign flipped and shifted, encoded with the run's codec: a valid part with other bytes."""
+        lie = averaged.neg().sub_(1e-2)
+        return await asyncio.get_event_loop().run_in_executor(None, self.average_codec.compress, lie,
+                                                              self._own_infos[part_index])
+
 
 
 class HoldingPartReducer(TensorPartReducer):

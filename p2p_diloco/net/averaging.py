@@ -53,6 +53,8 @@ from p2p_diloco.net.consensus import majority_state
 from p2p_diloco.net.deadlines import DeadlineEstimator
 from p2p_diloco.net.gate import MemberGate, contribution_proof
 from p2p_diloco.net.screening import accused, member_weights, sane_contribution
+from p2p_diloco.net.reducer_checks import capped_fractions, sane_bandwidths
+from p2p_diloco.net.verify import PartVerifier
 from p2p_diloco.net.wire import WireCodec, payload_bytes
 from p2p_diloco.ops.procs import become_child_process
 
@@ -114,21 +116,26 @@ class MalformedRound(Exception):
         super().__init__("; ".join(f"{p}: {why}" for p, why in culprits.items()))
 
 
-class CanonicalAverager(MemberGate, DecentralizedAverager):
+class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
     """DecentralizedAverager running :class:`CanonicalAllReduceRunner`; its process dies with its parent. In a
-    private run (``access_keys``) it serves members only (net/gate.py)."""
+    private run (``access_keys``) it serves members only (net/gate.py). With ``verify_parts``, members compare the
+    digests of the averaged parts they received before a round counts (net/verify.py); ``max_share`` caps the share
+    of the vector one member reduces (net/reducer_checks.py)."""
 
     _rpc_handlers = None  # collect our own rpc_* methods (rpc_admit), not a list inherited from the parent class
 
     def __init__(self, *args, codec: WireCodec, average_codec: WireCodec, min_participants: int, fault=None,
                  aggregator: Aggregator = Aggregator(), weight_by_tokens: bool = True, max_weight_ratio: float = 8.0,
-                 attack=None, access_keys=None, revoked: frozenset = frozenset(), **kwargs):
+                 attack=None, access_keys=None, revoked: frozenset = frozenset(), verify_parts: bool = False,
+                 max_share: float = float("inf"), equivocate_from: Optional[int] = None, **kwargs):
         self._init_gate(access_keys, revoked)
         self._average_codec = average_codec
         self._min_participants = min_participants
         self._fault = fault
         self._aggregator, self._attack = aggregator, attack
         self._weight_by_tokens, self._max_weight_ratio = weight_by_tokens, max_weight_ratio
+        self._verify_parts_on, self._max_share, self._equivocate_from = verify_parts, max_share, equivocate_from
+        self._verifications = {}
         self.state_provider = None  # set in the host process: () -> (metadata dict, tensors)
         super().__init__(*args, compression=codec, **kwargs)
 
@@ -137,6 +144,8 @@ class CanonicalAverager(MemberGate, DecentralizedAverager):
         super().run()
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, weight: float, **kwargs):
+        self._verify_until = time.monotonic() + self._allreduce_timeout - 1.0  # inside the step's own deadline
+        verification, error = None, None
         try:
             bandwidths, mode_ids, gathered = zip(*map(self.serializer.loads, group_info.gathered))
             contributions = [self._contribution(g) for g in gathered]
@@ -155,29 +164,46 @@ class CanonicalAverager(MemberGate, DecentralizedAverager):
             left_out = accused(peer_ids, [c.suspects for c in contributions])  # they reduce nothing either
             download_bandwidths = [b if AveragingMode(m) != AveragingMode.CLIENT and i not in left_out else 0.0
                                    for i, (b, m) in enumerate(zip(bandwidths, mode_ids))]
-            peer_fractions = await asyncio.get_event_loop().run_in_executor(
-                None, load_balance_peers, self.total_size, download_bandwidths, min_vector_size)
+            peer_fractions = await self._reducer_fractions(download_bandwidths, min_vector_size)
+            if self._verify_parts_on:  # members are named with the end of their (authenticated) peer id
+                labels = [f"{c.name} (…{p[-6:]})" for c, p in zip(contributions, peer_ids)]
+                verification = self._open_verification(group_info, labels)
             started = time.monotonic()
             try:
                 stats = await self._allreduce_round(group_info, contributions[me].round + 1,
                                                     peer_fractions=peer_fractions, weights=weights, **kwargs)
             except MalformedRound as e:  # every member fails this round and learns whom to leave out
                 stats = _malformed_summary(e.culprits, contributions, peer_ids)
+            digests = stats.pop("digests", None)
+            if verification is not None and digests is not None:  # a failed round is never committed
+                await self._verify_parts(group_info, verification, digests)
             return dict(summary, allreduce_seconds=time.monotonic() - started, **stats)
         except BaseException as e:
+            error = e
             raise MatchmakingException(f"all-reduce failed: {e!r}") from None
+        finally:
+            self._close_verification(group_info.group_id, verification, error)
+
+    async def _reducer_fractions(self, download_bandwidths, min_vector_size: int) -> list[float]:
+        """The share of the vector each member reduces: hivemind's load balancing of the declared bandwidths (not
+        a finite number >= 0: undeclared), capped at ``max_share`` x an equal share (net/reducer_checks.py)."""
+        download = sane_bandwidths(download_bandwidths)
+        sizes = await asyncio.get_event_loop().run_in_executor(
+            None, load_balance_peers, self.total_size, download, min_vector_size)
+        return capped_fractions(sizes, [b != 0.0 for b in download], self._max_share)
 
     async def _allreduce_round(self, group_info, round_: int, weights: list, **kwargs) -> dict:
         """The all-reduce of our buffers, with the test-only faults and attacks due in ``round_``."""
         fault = self._fault if self._fault and self._fault.due("allreduce", round_) else None
         attack = self._attack if self._attack is not None and self._attack.due(round_) else None
+        equivocate = self._equivocate_from is not None and round_ >= self._equivocate_from
         me = group_info.peer_ids.index(self.peer_id)
         async with enter_asynchronously(self.get_tensors()) as local_tensors:
             if self._attack is not None:
                 self._attack.on_tensors(local_tensors, round_)
             return await self._run_allreduce_inplace_(
                 local_tensors, group_info, weight=weights[me], weights=weights, aggregator=self._aggregator,
-                attack=attack, fault=fault, **kwargs)
+                attack=attack, fault=fault, equivocate=equivocate, **kwargs)
 
     def _contribution(self, gathered) -> Contribution:
         """A member's gathered record; one that is not a well-formed contribution counts as one with no tokens."""
@@ -204,7 +230,7 @@ class CanonicalAverager(MemberGate, DecentralizedAverager):
         if runner.failed_reducers or runner.tensor_part_container.failed_size:
             raise AllreduceException(f"lost parts of reducer(s) {sorted(map(str, runner.failed_reducers))}")
         return dict(bytes_sent=runner.bytes_sent, bytes_received=runner.bytes_received,
-                    reducer_bytes=runner.reducer_peak_bytes)
+                    reducer_bytes=runner.reducer_peak_bytes, digests=runner.part_digests.digests())
 
     # ------------------------------------------------------------------------------------------ state for joiners
     def get_current_state(self):
@@ -284,7 +310,7 @@ class Averager:
 
     def __init__(self, dht, cfg: AveragingConfig, prefix: str, shapes: Sequence[torch.Size], *,
                  client_mode: bool = False, expected_group_size: Optional[int] = None, fault=None,
-                 weight_by_tokens: bool = True, attack=None, access=None):
+                 weight_by_tokens: bool = True, attack=None, access=None, equivocate_from: Optional[int] = None):
         self.cfg = cfg
         self.access = access  # net/auth.Access of a private run, None in an open run
         self.client_mode = client_mode
@@ -303,6 +329,7 @@ class Averager:
             aggregator=Aggregator(cfg.aggregator, cfg.clip_multiple, cfg.centered_clip_iters, cfg.trim_fraction),
             weight_by_tokens=weight_by_tokens, max_weight_ratio=cfg.max_weight_ratio,
             access_keys=access.keys if access else None, revoked=access.revoked if access else frozenset(),
+            verify_parts=cfg.verify_parts, max_share=cfg.max_share, equivocate_from=equivocate_from,
             target_group_size=expected_group_size or cfg.target_group_size, min_group_size=cfg.min_group_size,
             min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
             allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,

@@ -1,0 +1,232 @@
+"""Reducer checks (``averaging.verify_parts``): before a member commits a round, it compares the digests of the
+averaged parts it received with every other member's; a reducer that sent different bytes to different members
+fails the round on every member that sees it, and is named in the error.
+
+The exchange (after a member's all-reduce has ended well): every member calls every other member over a libp2p
+stream authenticated to the remote PeerID, so nobody can send digests in another member's name. The caller sends
+its digests (one sha256 per reducer, over the digests of that reducer's parts in order) and the callee answers with
+its own once its all-reduce has ended; the first digests of a member to arrive (its call or its answer) count, and
+a member whose call and answer differ fails the round. Each member thus hears from every member it can reach.
+
+A member does not commit unless every member it reaches answered with digests equal to its own: an answer that its
+all-reduce failed, a refusal, or other digests fail the round. A member it cannot reach at all (the connection
+fails, or no answer before the all-reduce's deadline) is left out of the comparison: it died or the network between
+them failed, and it is not there to commit either; so a member dying right after its all-reduce does not fail the
+others' round. Members that reach each other always compare, so an equivocation between them is always caught;
+what is left open (two client-mode members cannot dial each other; a partition right after the all-reduce) is in
+the README, "Reducer checks". A member that committed while another failed is the divergence that the next round's
+θ_global digest check settles (the minority repairs from the majority).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from typing import AsyncIterator, Optional, Sequence
+
+from hivemind.averaging.partition import AllreduceException
+from hivemind.p2p import P2PContext, P2PDaemonError
+from hivemind.proto import averaging_pb2, runtime_pb2
+
+from p2p_diloco.net.reducer_checks import describe_equivocations, equivocations
+
+logger = logging.getLogger(__name__)
+DIGEST_BYTES = 32
+# the call could not reach the member at all (it died, or the network failed): not an answer. A timeout is not
+# among them: a member that is slow to answer may be alive, and its digests may differ from ours
+UNREACHABLE = (P2PDaemonError, ConnectionError, asyncio.IncompleteReadError)
+KEEP_CLOSED = 8  # verifications of groups already over, kept to answer late calls with our digests
+CLOSED = "closed"  # a group of ours that is over without a verification (it failed before, or checks are off)
+
+
+def part_digest(msg: runtime_pb2.Tensor) -> bytes:
+    """sha256 of an encoded part as every recipient decodes it: its codec tag, shape and bytes."""
+    h = hashlib.sha256(f"{msg.dtype}|{msg.compression}|{list(msg.size)}|".encode())
+    h.update(msg.buffer)
+    return h.digest()
+
+
+class ReducerDigests:
+    """One running digest per reducer, over the digests of its averaged parts in the order they were registered."""
+
+    def __init__(self, num_reducers: int):
+        self._hashes = [hashlib.sha256() for _ in range(num_reducers)]
+
+    def add(self, reducer_index: int, digest: bytes) -> None:
+        self._hashes[reducer_index].update(digest)
+
+    def digests(self) -> list[bytes]:
+        return [h.digest() for h in self._hashes]
+
+
+class Verification:
+    """What one member knows of one group's digests: its own (once its all-reduce ended), and the others'."""
+
+    def __init__(self, peer_ids: Sequence, names: Sequence[str], me: int):
+        self.peer_ids, self.names, self.me = list(peer_ids), list(names), me
+        self.own: asyncio.Future = asyncio.get_event_loop().create_future()  # our digests, or why we have none
+        self.views: dict[int, list[bytes]] = {}
+        self.failures: dict[int, str] = {}
+        self.unreached: dict[int, str] = {}  # members we could not reach at all: left out of the comparison
+        self.expected = set(range(len(peer_ids))) - {me}
+        self.settled = asyncio.Event()
+
+    def record(self, index: int, digests: Sequence[bytes]) -> None:
+        digests = list(digests)
+        if len(digests) != len(self.peer_ids) or any(len(d) != DIGEST_BYTES for d in digests):
+            self.fail(index, f"sent {len(digests)} malformed digests")
+        elif index in self.views and self.views[index] != digests:
+            self.fail(index, "sent two different sets of digests")
+        else:
+            self.views.setdefault(index, digests)
+            self.unreached.pop(index, None)  # it reached us after all
+        self.check_settled()
+
+    def fail(self, index: int, reason: str) -> None:
+        self.failures.setdefault(index, reason)
+        self.check_settled()
+
+    def unreachable(self, index: int, reason: str) -> None:
+        if index not in self.views and index not in self.failures:
+            self.unreached[index] = reason
+            self.check_settled()
+
+    def check_settled(self) -> None:
+        """Settled: every member answered or is unreachable, or the round has failed already (no need to wait)."""
+        if self.failures or self.expected <= set(self.views) | set(self.unreached) or self._equivocations():
+            self.settled.set()
+
+    def _equivocations(self) -> dict:
+        if not self.own.done() or self.own.exception() is not None:
+            return {}
+        views = {self.names[j]: [d.hex() for d in digests] for j, digests in self.views.items()}
+        views[self.names[self.me]] = [d.hex() for d in self.own.result()]
+        return equivocations(views, self.names)
+
+    def verdict(self) -> Optional[str]:
+        """None if every member we reached sent digests equal to ours; else why the round must fail."""
+        found = self._equivocations()
+        if found:
+            return describe_equivocations(found)
+        if self.failures:
+            return "; ".join(f"member {self.names[j]} could not verify: {why}" for j, why in self.failures.items())
+        missing = self.expected - set(self.views) - set(self.unreached)
+        if missing:
+            return f"no part digests from member(s) {sorted(self.names[j] for j in missing)} in time"
+        return None
+
+
+class PartVerifier:
+    """Mixin of :class:`~p2p_diloco.net.averaging.CanonicalAverager`: the ``rpc_verify_parts`` handler and
+    :meth:`_verify_parts`. Expects ``self._p2p``, ``self.prefix``, ``self._running_groups``, ``self.get_stub``."""
+
+    # hivemind collects a servicer's rpc_* handlers once per class and caches them on it: without these, a class
+    # whose parent (DecentralizedAverager) collected first would inherit the parent's list, without ours
+    _rpc_handlers = None
+    _stub_type = None
+    _verifications: dict  # group id -> Verification, or a future of one while a call waits for it to open
+    _verify_until: float = 0.0  # time.monotonic() when the all-reduce in progress must be over
+
+    def _open_verification(self, group_info, names: Sequence[str]) -> Verification:
+        v = Verification(group_info.peer_ids, names, group_info.peer_ids.index(self.peer_id))
+        waiting = self._verifications.get(group_info.group_id)
+        self._verifications[group_info.group_id] = v
+        if isinstance(waiting, asyncio.Future) and not waiting.done():
+            waiting.set_result(v)  # a call that arrived before we opened it
+        return v
+
+    def _close_verification(self, group_id, v: Optional[Verification], error: Optional[BaseException]) -> None:
+        """The group's all-reduce is over: calls still waiting for our digests get an answer now."""
+        if v is not None and not v.own.done():
+            v.own.set_exception(AllreduceException(f"its all-reduce failed: {error!r}"[:200]))
+            v.own.exception()  # retrieved: no "never retrieved" warning when no call awaited it
+        waiting = self._verifications.pop(group_id, None)
+        if isinstance(waiting, asyncio.Future) and not waiting.done():
+            waiting.set_result(None)  # a call waited for a verification we never opened: it is told so
+        # a member that settles later than us still gets our digests (or why we have none) at once
+        self._verifications[group_id] = v if v is not None else CLOSED
+        for old in [g for g, x in self._verifications.items() if not isinstance(x, asyncio.Future)][:-KEEP_CLOSED]:
+            del self._verifications[old]
+
+    async def rpc_verify_parts(self, request: averaging_pb2.MessageFromLeader,
+                               context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """A group member sends the digests of the averaged parts it received; we answer with ours. A stream, not a
+        unary call: hivemind 1.1.12's client loses its unary-call reader for good when a response arrives for a
+        call just cancelled (InvalidStateError in its reader task), and ours are cancelled once a round is settled."""
+        yield await self._answer_verify(request, context)
+
+    async def _answer_verify(self, request, context) -> averaging_pb2.MessageFromLeader:
+        v = await self._verification_for(request.group_id)
+        if v is None:
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_ID)
+        if context.remote_id not in v.peer_ids or context.remote_id == self.peer_id:
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        v.record(v.peer_ids.index(context.remote_id), list(request.gathered))
+        try:
+            own = await asyncio.wait_for(asyncio.shield(v.own), timeout=self._verify_deadline())
+        except Exception as e:
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.INTERNAL_ERROR, suggested_leader=repr(e)[:200]
+                                                   .encode())
+        return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED, group_id=request.group_id, gathered=own)
+
+    async def _verification_for(self, group_id) -> Optional[Verification]:
+        found = self._verifications.get(group_id)
+        if isinstance(found, Verification) or found is CLOSED:
+            return found if found is not CLOSED else None
+        if group_id not in self._running_groups:
+            return None  # not a group of ours (or already over)
+        if found is None:  # ours, but not opened yet: wait for it
+            found = self._verifications[group_id] = asyncio.get_event_loop().create_future()
+        try:
+            return await asyncio.wait_for(asyncio.shield(found), timeout=self._verify_deadline())
+        except asyncio.TimeoutError:
+            if self._verifications.get(group_id) is found:
+                del self._verifications[group_id]
+            return None
+
+    def _verify_deadline(self) -> float:
+        """Seconds a verification may still wait: the rest of the all-reduce's deadline (set in its group's start)."""
+        return max(0.1, self._verify_until - time.monotonic())
+
+    async def _verify_parts(self, group_info, v: Verification, own: list[bytes]) -> None:
+        """Exchange digests with the members we pair with; raise AllreduceException naming the reducer(s) whose
+        bytes differ, or the member(s) whose digests are missing, unless every one matches ours."""
+        v.own.set_result(own)
+        calls = [asyncio.create_task(self._call_verify(group_info.group_id, v, j)) for j in sorted(v.expected)]
+        try:
+            await asyncio.wait_for(v.settled.wait(), timeout=self._verify_deadline())
+        except asyncio.TimeoutError:
+            pass  # the verdict names who is missing
+        finally:
+            for call in calls:
+                call.cancel()
+        verdict = v.verdict()
+        if v.unreached:
+            logger.warning(f"reducer check: left out member(s) we could not reach: "
+                           f"{ {v.names[j]: why for j, why in v.unreached.items()} }")
+        if verdict is not None:
+            raise AllreduceException(f"reducer check failed: {verdict}")
+
+    async def _call_verify(self, group_id, v: Verification, j: int) -> None:
+        stub = self.get_stub(self._p2p, v.peer_ids[j], namespace=self.prefix)
+        stream = None
+        try:
+            request = averaging_pb2.MessageFromLeader(group_id=group_id, gathered=v.own.result())
+            stream = await asyncio.wait_for(stub.rpc_verify_parts(request), timeout=self._verify_deadline())
+            answer = await asyncio.wait_for(anext(stream), timeout=self._verify_deadline())
+        except (*UNREACHABLE, StopAsyncIteration) as e:  # StopAsyncIteration: the stream closed without an answer
+            v.unreachable(j, repr(e)[:200])
+            return
+        except Exception as e:
+            v.fail(j, f"no answer ({e!r})"[:200])
+            return
+        finally:
+            if stream is not None:
+                await stream.aclose()
+        if answer.code == averaging_pb2.ACCEPTED:
+            v.record(j, list(answer.gathered))
+        else:
+            why = answer.suggested_leader.decode(errors="replace") or averaging_pb2.MessageCode.Name(answer.code)
+            v.fail(j, why)
