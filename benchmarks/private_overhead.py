@@ -4,7 +4,8 @@ run, then the median of ``--reps`` runs, and the ratio private / open.
 
 What a secret adds per round: an HMAC-SHA256 over every DHT request and response (with a nonce check), the
 membership proof in each join request and its check by the leader, every member's check of the group's proofs before
-the all-reduce, and one read of the revocation list. Run:
+the all-reduce, and one read of the revocation list. Signed DHT records (net/identity.py) are in open runs too: their
+CPU per record is measured apart (``--micro-only``). Run:
 
     nice -n 10 python benchmarks/private_overhead.py [--reps 3] [--rounds 5] [--inner-steps 20]
 """
@@ -78,7 +79,29 @@ def micro(n: int = 2000) -> dict:
     start = time.perf_counter()
     for _ in range(n):
         assert keys.verify(b"p" * 38, keys.proof(b"p" * 38))
-    return {"dht_exchange_us": per_message * 1e6, "proof_check_us": (time.perf_counter() - start) / n * 1e6}
+    return {"dht_exchange_us": per_message * 1e6, "proof_check_us": (time.perf_counter() - start) / n * 1e6,
+            **records_micro(n)}
+
+
+def records_micro(n: int) -> dict:
+    """CPU to sign (seal) and to check one roster-sized signed DHT record (net/identity.py), per key type; in open
+    and private runs alike. hivemind's RSA identity files are 2048-bit; our own keys are Ed25519."""
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from p2p_diloco.net.identity import Identity, check_sealed, seal
+
+    out = {}
+    for kind, identity in (("ed25519", Identity.generate()), ("rsa2048", Identity(RSAPrivateKey()._private_key))):
+        args = (b"k" * 32, b"s" * 54, b"v" * 400, 1234.5)
+        start = time.perf_counter()
+        for _ in range(n):
+            sealed = seal(identity, *args)
+        out[f"record_sign_{kind}_us"] = (time.perf_counter() - start) / n * 1e6
+        start = time.perf_counter()
+        for _ in range(n):
+            assert check_sealed(identity.peer_id, args[0], args[1], sealed, args[3])
+        out[f"record_check_{kind}_us"] = (time.perf_counter() - start) / n * 1e6
+    return out
 
 
 def main() -> None:
@@ -86,8 +109,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--inner-steps", type=int, default=20)
+    p.add_argument("--micro-only", action="store_true", help="only the CPU of the checks and signatures")
     args = p.parse_args()
     print("CPU:", {k: f"{v:.1f} us" for k, v in micro().items()}, flush=True)
+    if args.micro_only:
+        return
     scratch = Path(tempfile.mkdtemp(prefix="private-overhead-"))
     results = {"open": [], "private": []}
     try:

@@ -1,13 +1,16 @@
 """A node outside a private run that tries everything a member can do, and reports what worked (tests only).
 
     python tests/outsider.py --bootstrap MADDR --target MADDR --prefix PREFIX --run-id RUN --out result.json
-        [--secret TEXT] [--identity KEY_FILE]
+        [--secret TEXT] [--identity KEY_FILE] [--forge PEER_ID]
 
 It joins the DHT through the bootstrap node (or, refused, starts a DHT node of its own), dials the target member
 directly, and tries: reading the roster, writing a roster entry (a leaver's, so a member that accepts it does not
 wait for it), joining a group (rpc_join_group, with a proof made from its secret, if any), uploading a part
-(rpc_aggregate_part) and downloading the state (rpc_admit, then rpc_download_state). Each outcome goes into the
-JSON report: what the member answered, never what the outsider hoped.
+(rpc_aggregate_part) and downloading the state (rpc_admit, then rpc_download_state). With ``--forge PEER_ID``
+(another member's), it only writes a roster entry in that member's name, far ahead of the run (round 999, another
+digest, not leaving), unsigned and signed with its own key, through the DHT and straight to the target, then reads
+the target's roster back. Each outcome goes into the JSON report: what the member answered, never what the outsider
+hoped.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ def main() -> int:
         p.add_argument(name, required=True)
     p.add_argument("--secret", default=None)
     p.add_argument("--identity", default=None)
+    p.add_argument("--forge", default=None)
     args = p.parse_args()
 
     from p2p_diloco.config import NetworkConfig
@@ -45,7 +49,7 @@ def main() -> int:
         dht = start_dht(net)  # a node of our own, to dial the member directly
     try:
         report["peer_id"] = str(dht.peer_id)
-        report.update(dht.run_coroutine(_Attempts(args.target, args.prefix, args.run_id, args.secret)))
+        report.update(dht.run_coroutine(_Attempts(args.target, args.prefix, args.run_id, args.secret, args.forge)))
     finally:
         dht.shutdown()
     with open(args.out, "w") as f:
@@ -56,8 +60,8 @@ def main() -> int:
 class _Attempts:
     """Runs in the outsider's DHT process, with its P2P node and DHT protocol."""
 
-    def __init__(self, target: str, prefix: str, run_id: str, secret):
-        self.target, self.prefix, self.run_id, self.secret = target, prefix, run_id, secret
+    def __init__(self, target: str, prefix: str, run_id: str, secret, victim=None):
+        self.target, self.prefix, self.run_id, self.secret, self.victim = target, prefix, run_id, secret, victim
 
     async def __call__(self, _dht, node) -> dict:
         from hivemind.p2p import PeerID
@@ -67,9 +71,9 @@ class _Attempts:
         target = PeerID.from_base58(peer)
         await node.p2p._client.connect(target, [Multiaddr(address)])
         out = {}
-        for name, attempt in (("dht_read", self.read_roster), ("dht_write", self.write_roster),
-                              ("join_group", self.join_group), ("upload", self.upload),
-                              ("download", self.download)):
+        attempts = (("dht_read", self.read_roster), ("dht_write", self.write_roster), ("join_group", self.join_group),
+                    ("upload", self.upload), ("download", self.download))
+        for name, attempt in ((("forge", self.forge),) if self.victim else attempts):
             try:
                 out[name] = await asyncio.wait_for(attempt(node, target), 20)
             except Exception as e:
@@ -98,14 +102,40 @@ class _Attempts:
         from p2p_diloco.net.consensus import PeerStatus
 
         status = PeerStatus(name="outsider", peer_id=str(node.peer_id), round=999, digest="0" * 64, leaving=True)
-        key = DHTID.generate(source=f"{self.prefix}.roster")
-        ok = await node.protocol.call_store(target, [key], [node.protocol.serializer.dumps(asdict(status))],
-                                            get_dht_time() + 30, subkeys=[status.peer_id])
+        key, expiration = DHTID.generate(source=f"{self.prefix}.roster"), get_dht_time() + 30
+        value = _signed(node, key, status.peer_id, asdict(status), expiration)  # our own entry: signed by us
+        ok = await node.protocol.call_store(target, [key], [value], expiration, subkeys=[status.peer_id])
         if not ok or not all(ok):
             return f"refused: {ok}"
         found = await node.protocol.call_find(target, [key])  # is our entry in the member's roster now?
         entries = found[key][0].value if found and found[key][0] is not None else {}
         return "written" if status.peer_id in entries else "not stored"
+
+    async def forge(self, node, target) -> str:
+        """An entry in another member's name: stored through the DHT (unsigned: ours would not sign it) and straight
+        to the target (signed with our own key); then is it in the target's roster?"""
+        from hivemind.dht.routing import DHTID
+        from hivemind.utils.timed_storage import get_dht_time
+
+        from p2p_diloco.net.consensus import PeerStatus
+        from p2p_diloco.net.identity import seal
+
+        status = PeerStatus(name="forged", peer_id=self.victim, round=999, digest="f" * 64, tokens_trained=10 ** 9)
+        key, expiration = f"{self.prefix}.roster", get_dht_time() + 300
+        through_dht = await node.store(key, asdict(status), expiration, subkey=self.victim)
+        key_id, ser = DHTID.generate(source=key), node.protocol.serializer
+        identity = node.protocol.record_validator._validators[0].identity
+        sealed = seal(identity, key_id.to_bytes(), ser.dumps(self.victim), ser.dumps(asdict(status)), expiration)
+        direct = await node.protocol.call_store(target, [key_id], [sealed], expiration, subkeys=[self.victim])
+        validator, node.protocol.record_validator = node.protocol.record_validator, None  # read what is stored
+        try:
+            found = await node.protocol.call_find(target, [key_id])
+        finally:
+            node.protocol.record_validator = validator
+        entries = found[key_id][0].value if found and found[key_id][0] is not None else {}
+        entry = entries.get(self.victim) if entries else None
+        visible = entry is not None and b"forged" in entry.value
+        return f"dht store {through_dht}, direct store {direct}, " + ("visible" if visible else "not visible")
 
     async def join_group(self, node, target) -> str:
         from hivemind.proto import averaging_pb2
@@ -149,6 +179,15 @@ class _Attempts:
         async for message in await stub.rpc_download_state(averaging_pb2.DownloadRequest()):
             size += len(message.tensor_part.buffer)
         return f"{size} bytes (admission: {admitted})"
+
+
+def _signed(node, key_id, subkey, value, expiration) -> bytes:
+    """``value`` serialized and signed as our DHT node signs the records it stores (net/records.py)."""
+    from hivemind.dht.validation import DHTRecord
+
+    ser = node.protocol.serializer
+    record = DHTRecord(key_id.to_bytes(), ser.dumps(subkey), ser.dumps(value), expiration)
+    return node.protocol.record_validator.sign_value(record)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,15 @@ def test_bad_input_exits_2_with_one_line(args, message):
     assert len(lines) == 1 and message in lines[0], out.stderr
 
 
+def test_an_unusable_identity_file_exits_2_with_one_line(tmp_path):
+    (tmp_path / "bad.key").write_bytes(b"not a libp2p key")
+    out = _cli("bootstrap", f"--network.identity_path={tmp_path / 'bad.key'}",
+               "--network.host_maddrs=/ip4/127.0.0.1/tcp/0")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (f"p2p-diloco: error: network.identity_path: {tmp_path / 'bad.key'}: "
+                                                   f"not a libp2p key protobuf"), out.stderr
+
+
 def test_missing_model_config_exits_2(tmp_path):
     out = _cli("peer", f"--model.name={tmp_path / 'nope' / 'config.json'}", f"--run.run_dir={tmp_path / 'run'}",
                "--run.progress=false")

@@ -1,7 +1,8 @@
 """A private run of 2 members against real outsider processes (tests/outsider.py): no secret, a wrong (stale)
 secret, and a valid secret whose PeerID was revoked while the run went on (``p2p-diloco revoke``). None of them can
 read or write the DHT, join a group, upload a part or download the state; the members' every round is theirs alone
-(same θ_global on both, both in every group) and they log each refusal. The same outsider with the valid secret, before
+(same θ_global on both, both in every group) and they log each refusal. A member holding the secret cannot write a
+roster entry in another member's name (signed records). The same outsider with the valid secret, before
 its revocation, shows that each attempt does work for a member: the refusals are the gate's, not the probe's."""
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def _outsiders(info, cases: dict) -> dict:
                 "--prefix", info["prefix"], "--run-id", "private-test", "--out", str(out)]
         args += ["--secret", how["secret"]] if how.get("secret") else []
         args += ["--identity", str(how["identity"])] if how.get("identity") else []
+        args += ["--forge", how["forge"]] if how.get("forge") else []
         with open(info["run_dir"] / f"{case}.log", "w") as log:  # a file: the outsider's children inherit it
             procs[case] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -109,9 +111,13 @@ def test_outsiders_are_refused_everywhere_and_the_members_rounds_are_their_own(p
     identity = run_dir / "member.key"
     P2P.generate_identity(str(identity))
     member_id = PeerID.from_identity(identity.read_bytes()).to_base58()
+    victim = (run_dir / "peer1" / "maddrs.txt").read_text().split()[-1].rsplit("/p2p/", 1)[1]
     reports = _outsiders(info, {"no-secret": {}, "wrong-secret": {"secret": "an old secret"},
-                                "member": {"secret": SECRET, "identity": identity}})
+                                "member": {"secret": SECRET, "identity": identity},
+                                "forger": {"secret": SECRET, "forge": victim}})
     allowed = reports.pop("member")
+    # a member cannot write in another member's name: refused by its own node, by the target, and not stored
+    assert reports.pop("forger")["forge"] == "dht store False, direct store [False], not visible"
     for case, report in reports.items():
         _assert_refused(report)
     # a holder of the secret: everything works (the probe is real) ...
@@ -119,6 +125,13 @@ def test_outsiders_are_refused_everywhere_and_the_members_rounds_are_their_own(p
     assert allowed["dht_write"] == "written", allowed
     assert allowed["join_group"] != "PROTOCOL_VIOLATION", allowed
     assert not allowed["download"].startswith("0 bytes") and "ACCEPTED" in allowed["download"], allowed
+
+    # `p2p-diloco status` runs while the revocation below goes on (the forgery is checked in its view at the end)
+    status = subprocess.Popen([sys.executable, "-m", "p2p_diloco", "status", "--json", "--initial-peers",
+                               _bootstrap(info), "--run.run_id=private-test",
+                               f"--network.secret_file={info['secret_file']}",
+                               "--network.host_maddrs=/ip4/127.0.0.1/tcp/0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
 
     # ... until it is revoked, without restarting anyone
     with open(run_dir / "revoke.log", "w") as log:
@@ -128,8 +141,9 @@ def test_outsiders_are_refused_everywhere_and_the_members_rounds_are_their_own(p
                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
         assert revoke.wait(timeout=60) == 0, _log(run_dir, "revoke")
+        view, _ = status.communicate(timeout=60)
     finally:
-        stop_groups([revoke.pid])
+        stop_groups([revoke.pid, status.pid])
     for node in ("bootstrap", "peer0", "peer1"):
         _wait(lambda: member_id in "".join(re.findall(r"revoked peers: .*", _log(run_dir, node))), 40,
               f"{node} to read the revocation")
@@ -142,6 +156,12 @@ def test_outsiders_are_refused_everywhere_and_the_members_rounds_are_their_own(p
     for case, report in reports.items():
         assert report["peer_id"] in logs, f"{case}: no refusal of {report['peer_id']} logged"
     assert f"refused a join request from {revoked['peer_id']}: revoked" in _log(run_dir, "peer0")
+
+    # nobody took the forged entry (round 999) for peer1's: no repair toward it, not in `p2p-diloco status`
+    assert f"ignored a DHT record in the name of {victim}" in _log(run_dir, "peer0")
+    assert not any("round 999" in _log(run_dir, n) for n in ("peer0", "peer1")), "a member believed the forgery"
+    peers = {p["peer_id"]: p for run in json.loads(view)["runs"] for p in run["peers"]}
+    assert victim in peers and peers[victim]["name"] == "peer1" and peers[victim]["round"] < 999, view
 
     # the members' rounds: all committed by both, with both alone in the group and the same θ_global
     last = max(r["round"] for r in _rounds(run_dir, "peer0"))

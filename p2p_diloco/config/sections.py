@@ -199,7 +199,8 @@ class NetworkConfig:
     host_maddrs: list[str] = _f(["/ip4/0.0.0.0/tcp/0"], "multiaddrs to listen on (public peers: a fixed port, "
                                 "e.g. /ip4/0.0.0.0/tcp/31337)")
     announce_maddrs: list[str] = _f([], "public multiaddrs to advertise (behind port forwarding or a cloud NAT)")
-    identity_path: Optional[str] = _f(None, "private key file giving a stable peer id (created if missing)")
+    identity_path: Optional[str] = _f(None, "private key file giving a stable peer id (created if missing, Ed25519; "
+                                            "RSA files as hivemind writes them work too); none: a fresh key")
     client_mode: bool = _f(False, "dial out only (behind NAT); needs at least one public peer in the group")
     join_timeout: float = _f(30.0, "how long to wait for an initial peer to answer before giving up", "s",
                              _positive, "must be > 0")

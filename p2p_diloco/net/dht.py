@@ -26,7 +26,6 @@ import os
 import re
 import time
 from dataclasses import asdict, fields
-from pathlib import Path
 from typing import Optional, Sequence
 
 import hivemind
@@ -36,8 +35,9 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.config import ConfigError, NetworkConfig
-from p2p_diloco.net.auth import Access, bind_remote_peers
+from p2p_diloco.net.auth import REVOKED_KEY, Access, bind_remote_peers
 from p2p_diloco.net.consensus import PeerStatus
+from p2p_diloco.net.records import PeerSignatureValidator, provide_identity
 from p2p_diloco.errors import JoinError
 from p2p_diloco.ops.procs import become_child_process, subprocesses_die_with_us
 
@@ -146,22 +146,30 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
     ``client_mode`` overrides ``network.client_mode``; ``force_reachability`` ("public"/"private") replaces p2pd's
     AutoNAT verdict; ``relays``: multiaddrs of relays to reserve a slot at as soon as this node is found unreachable.
     With ``network.secret`` or ``network.secret_file``, the node speaks only to holders of the secret (net/auth.py).
+    Its identity key is ours (``network.identity_path``, else a fresh one): records under its PeerID are signed with
+    it, and records in another PeerID's name not signed by that peer are refused (net/records.py).
     """
     access = Access(cfg.secret, cfg.secret_file) if cfg.secret is not None or cfg.secret_file is not None else None
     _check_maddrs("network.initial_peers", cfg.initial_peers)
     _check_maddrs("network.host_maddrs", cfg.host_maddrs)
     _check_maddrs("network.announce_maddrs", cfg.announce_maddrs)
     _check_maddrs("network.trusted_relays", cfg.trusted_relays)
-    if cfg.identity_path:
-        try:
-            Path(cfg.identity_path).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"network.identity_path: cannot create {cfg.identity_path}: {e.strerror}") from None
+    identity, identity_file, check_identity, forget_file = provide_identity(cfg.identity_path)
+    try:
+        return _start(cfg, access, identity, identity_file, check_identity, client_mode, force_reachability, relays)
+    finally:
+        forget_file()  # p2pd read it at start (a key we generated: nobody else ever sees it)
+
+
+def _start(cfg: NetworkConfig, access: Optional[Access], identity, identity_file: str, check_identity: bool,
+           client_mode: Optional[bool], force_reachability: Optional[str], relays: Sequence[str]) -> DHT:
     kwargs = dict(
         initial_peers=list(cfg.initial_peers),
         host_maddrs=list(cfg.host_maddrs),
         announce_maddrs=list(cfg.announce_maddrs) or None,
-        identity_path=str(Path(cfg.identity_path).expanduser()) if cfg.identity_path else None,
+        identity_path=identity_file,
+        check_if_identity_free=check_identity,
+        record_validators=[PeerSignatureValidator(identity, exempt_keys=[REVOKED_KEY])],
         client_mode=cfg.client_mode if client_mode is None else client_mode,
         startup_timeout=cfg.join_timeout,
         bootstrap_timeout=cfg.join_timeout,
