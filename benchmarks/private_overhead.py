@@ -4,7 +4,7 @@ run, then the median of ``--reps`` runs, and the ratio private / open.
 
 What a secret adds per round: an HMAC-SHA256 over every DHT request and response (with a nonce check), the
 membership proof in each join request and its check by the leader, every member's check of the group's proofs before
-the all-reduce, and one read of the revocation list. Signed DHT records (net/identity.py) are in open runs too: their
+the all-reduce, and one read of the revocation list. Signed DHT records (net/security/identity.py) are in open runs too: their
 CPU per record is measured apart (``--micro-only``). Run:
 
     nice -n 10 python benchmarks/private_overhead.py [--reps 3] [--rounds 5] [--inner-steps 20]
@@ -54,8 +54,8 @@ def micro(n: int = 2000) -> dict:
 
     from hivemind.proto import dht_pb2
 
-    from p2p_diloco.net.access import AccessKeys
-    from p2p_diloco.net.auth import HMACAuthorizer
+    from p2p_diloco.net.security.access import AccessKeys
+    from p2p_diloco.net.security.auth import HMACAuthorizer
 
     authorizer, keys = HMACAuthorizer(AccessKeys.derive(b"secret")), AccessKeys.derive(b"secret", "run")
 
@@ -84,11 +84,11 @@ def micro(n: int = 2000) -> dict:
 
 
 def records_micro(n: int) -> dict:
-    """CPU to sign (seal) and to check one roster-sized signed DHT record (net/identity.py), per key type; in open
+    """CPU to sign (seal) and to check one roster-sized signed DHT record (net/security/identity.py), per key type; in open
     and private runs alike. hivemind's RSA identity files are 2048-bit; our own keys are Ed25519."""
     from hivemind.utils.crypto import RSAPrivateKey
 
-    from p2p_diloco.net.identity import Identity, check_sealed, seal
+    from p2p_diloco.net.security.identity import Identity, check_sealed, seal
 
     out = {}
     for kind, identity in (("ed25519", Identity.generate()), ("rsa2048", Identity(RSAPrivateKey()._private_key))):

@@ -178,8 +178,8 @@ class Peer:
         self.membership.wait_for_round(self.cfg.run.join_after_round)
 
     def _access(self):
-        """A private run's access rules (net/auth.py), or None for an open run, said in one line."""
-        from p2p_diloco.net.auth import Access
+        """A private run's access rules (net/security/auth.py), or None for an open run, said in one line."""
+        from p2p_diloco.net.security.auth import Access
 
         net = self.cfg.network
         if net.secret is None and net.secret_file is None:

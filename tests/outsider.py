@@ -81,7 +81,7 @@ class _Attempts:
         return out
 
     def proof(self, peer_id) -> bytes:
-        from p2p_diloco.net.access import AccessKeys
+        from p2p_diloco.net.security.access import AccessKeys
 
         return AccessKeys.derive(self.secret.encode(), self.run_id).proof(peer_id.to_bytes()) if self.secret else b""
 
@@ -118,7 +118,7 @@ class _Attempts:
         from hivemind.utils.timed_storage import get_dht_time
 
         from p2p_diloco.net.consensus import PeerStatus
-        from p2p_diloco.net.identity import seal
+        from p2p_diloco.net.security.identity import seal
 
         status = PeerStatus(name="forged", peer_id=self.victim, round=999, digest="f" * 64, tokens_trained=10 ** 9)
         key, expiration = f"{self.prefix}.roster", get_dht_time() + 300
@@ -182,7 +182,7 @@ class _Attempts:
 
 
 def _signed(node, key_id, subkey, value, expiration) -> bytes:
-    """``value`` serialized and signed as our DHT node signs the records it stores (net/records.py)."""
+    """``value`` serialized and signed as our DHT node signs the records it stores (net/security/records.py)."""
     from hivemind.dht.validation import DHTRecord
 
     ser = node.protocol.serializer

@@ -1,4 +1,4 @@
-"""Private runs, without a swarm: the keys and proofs (net/access.py), the DHT authorizer (net/auth.py), and bad input
+"""Private runs, without a swarm: the keys and proofs (net/security/access.py), the DHT authorizer (net/security/auth.py), and bad input
 to the secret's keys (one line, exit code 2)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from p2p_diloco.config import ConfigError, load_config
-from p2p_diloco.net.access import AccessKeys, ReplayGuard, _hkdf, read_secret
+from p2p_diloco.net.security.access import AccessKeys, ReplayGuard, _hkdf, read_secret
 
 PEER_A, PEER_B = b"\x00\x24peer-a-bytes", b"\x00\x24peer-b-bytes"
 
@@ -70,7 +70,7 @@ def test_authorizer_refuses_a_wrong_secret_a_replay_a_tampered_request_and_a_rev
     from hivemind.p2p import PeerID
     from hivemind.proto import dht_pb2
 
-    from p2p_diloco.net.auth import REMOTE_PEER, HMACAuthorizer
+    from p2p_diloco.net.security.auth import REMOTE_PEER, HMACAuthorizer
 
     member = HMACAuthorizer(AccessKeys.derive(b"s3cret"))
     stranger = HMACAuthorizer(AccessKeys.derive(b"wrong"))
@@ -146,7 +146,7 @@ def test_bad_secret_file_is_one_line_and_exit_code_2(tmp_path, command):
 
 @pytest.mark.timeout(30)
 def test_a_new_secret_in_the_file_replaces_the_old_one_and_a_broken_file_keeps_it(tmp_path):
-    from p2p_diloco.net.auth import Access
+    from p2p_diloco.net.security.auth import Access
 
     path = tmp_path / "secret"
     path.write_text("first\n")

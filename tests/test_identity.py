@@ -1,5 +1,5 @@
-"""Signed DHT records: the libp2p key encoding and signatures (net/identity.py, pure), and two real DHT nodes whose
-validators refuse a record written in the other's name (net/records.py)."""
+"""Signed DHT records: the libp2p key encoding and signatures (net/security/identity.py, pure), and two real DHT nodes whose
+validators refuse a record written in the other's name (net/security/records.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 import pytest
 
-from p2p_diloco.net.identity import (Identity, IdentityError, check_sealed, decode_key, encode_key, peer_id_bytes,
+from p2p_diloco.net.security.identity import (Identity, IdentityError, check_sealed, decode_key, encode_key, peer_id_bytes,
                                      seal, unseal, verify)
 
 KEY, SUBKEY, VALUE, EXPIRATION = b"key-id", b"\xb4subkey", b"\x81\xa5round\x03", 1234.5

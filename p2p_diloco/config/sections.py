@@ -185,7 +185,7 @@ class AveragingConfig:
 
 def _readable_secret(path: str) -> bool:
     """A secret file must be readable and non-empty: raises ConfigError with the reason (one line)."""
-    from p2p_diloco.net.access import read_secret
+    from p2p_diloco.net.security.access import read_secret
 
     read_secret(None, path)
     return True

@@ -35,9 +35,9 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.config import ConfigError, NetworkConfig
-from p2p_diloco.net.auth import REVOKED_KEY, Access, bind_remote_peers
+from p2p_diloco.net.security.auth import REVOKED_KEY, Access, bind_remote_peers
 from p2p_diloco.net.consensus import PeerStatus
-from p2p_diloco.net.records import PeerSignatureValidator, provide_identity
+from p2p_diloco.net.security.records import PeerSignatureValidator, provide_identity
 from p2p_diloco.errors import JoinError
 from p2p_diloco.ops.procs import become_child_process, subprocesses_die_with_us
 
@@ -62,7 +62,7 @@ class DHT(hivemind.DHT):
         subprocesses_die_with_us()
         _configure_p2pd(self._p2pd_flags)
         if self.kwargs.get("authorizer") is not None:
-            bind_remote_peers()  # a private run: the authorizer refuses revoked senders (net/auth.py)
+            bind_remote_peers()  # a private run: the authorizer refuses revoked senders (net/security/auth.py)
         super().run()
 
 
@@ -145,9 +145,9 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
 
     ``client_mode`` overrides ``network.client_mode``; ``force_reachability`` ("public"/"private") replaces p2pd's
     AutoNAT verdict; ``relays``: multiaddrs of relays to reserve a slot at as soon as this node is found unreachable.
-    With ``network.secret`` or ``network.secret_file``, the node speaks only to holders of the secret (net/auth.py).
+    With ``network.secret`` or ``network.secret_file``, the node speaks only to holders of the secret (net/security/auth.py).
     Its identity key is ours (``network.identity_path``, else a fresh one): records under its PeerID are signed with
-    it, and records in another PeerID's name not signed by that peer are refused (net/records.py).
+    it, and records in another PeerID's name not signed by that peer are refused (net/security/records.py).
     """
     access = Access(cfg.secret, cfg.secret_file) if cfg.secret is not None or cfg.secret_file is not None else None
     _check_maddrs("network.initial_peers", cfg.initial_peers)

@@ -87,7 +87,7 @@ class Membership:
 
     def _refresh_access(self) -> None:
         """Private runs, on the heartbeat thread (off the round's path): a new secret in network.secret_file, new
-        revocations (net/auth.py). The DHT's process learns them at once, the averager's at the next round."""
+        revocations (net/security/auth.py). The DHT's process learns them at once, the averager's at the next round."""
         access = getattr(self.averager, "access", None)
         if access is not None and access.refresh(self.dht, self.cfg.averaging.request_timeout):
             self._access_changed.set()

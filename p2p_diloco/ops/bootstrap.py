@@ -56,8 +56,8 @@ def run_bootstrap(cfg: NetworkConfig, stop_event: threading.Event, *, maddrs_fil
 
 
 def _serve(dht, cfg: NetworkConfig, stop_event: threading.Event, echo: Callable[[str], None]) -> None:
-    """Until stopped; a private swarm's node re-reads its secret file and the revocation list (net/auth.py)."""
-    from p2p_diloco.net.auth import REFRESH_S, Access
+    """Until stopped; a private swarm's node re-reads its secret file and the revocation list (net/security/auth.py)."""
+    from p2p_diloco.net.security.auth import REFRESH_S, Access
 
     if cfg.secret is None and cfg.secret_file is None:
         echo("open swarm: this node answers anyone (set network.secret_file to serve a private run's members only)")

@@ -1,4 +1,4 @@
-"""``p2p-diloco revoke PEER_ID``: remove a member from a private run without restarting it (net/auth.py).
+"""``p2p-diloco revoke PEER_ID``: remove a member from a private run without restarting it (net/security/auth.py).
 
 It joins the swarm's DHT as a client (with the secret), stores a revocation record of the peer, and exits. Every
 peer and bootstrap node reads the list within a roster heartbeat (or net/auth.REFRESH_S) and refuses the peer from then on.
@@ -21,7 +21,7 @@ def run_revoke(cfg: NetworkConfig, peer: str, echo: Callable[[str], None]) -> in
         raise ConfigError("revoke: needs --initial-peers (the multiaddr of any live node of the run)")
     from hivemind.p2p import PeerID
 
-    from p2p_diloco.net.auth import Access, revoke
+    from p2p_diloco.net.security.auth import Access, revoke
     from p2p_diloco.net.dht import start_dht
 
     try:

@@ -42,7 +42,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from p2p_diloco.net import dht as _dht  # noqa: F401  (imported first for its torch sharing-strategy setting)
 from p2p_diloco.net.averaging.aggregators import Aggregator
 from p2p_diloco.net.averaging.allreduce import CanonicalAllReduceRunner
-from p2p_diloco.net.gate import MemberGate, contribution_proof
+from p2p_diloco.net.security.gate import MemberGate, contribution_proof
 from p2p_diloco.net.averaging.screening import accused, member_weights, sane_contribution
 from p2p_diloco.net.averaging.reducer_checks import capped_fractions, sane_bandwidths
 from p2p_diloco.net.averaging.verify import PartVerifier
@@ -65,7 +65,7 @@ class MalformedRound(Exception):
 
 class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
     """DecentralizedAverager running :class:`CanonicalAllReduceRunner`; its process dies with its parent. In a
-    private run (``access_keys``) it serves members only (net/gate.py). With ``verify_parts``, members compare the
+    private run (``access_keys``) it serves members only (net/security/gate.py). With ``verify_parts``, members compare the
     digests of the averaged parts they received before a round counts (net/averaging/verify.py); ``max_share`` caps the share
     of the vector one member reduces (net/averaging/reducer_checks.py)."""
 

@@ -19,7 +19,7 @@ class Contribution:
     tokens: int       # tokens processed since the last commit: the weight of this contribution
     steps_per_s: float = 0.0  # the member's inner-step speed: every member plans its next round from the same list
     suspects: list[str] = field(default_factory=list)  # peer ids this member leaves out (a reducer named them)
-    proof: str = ""           # private runs: membership proof for the sender's PeerID, hex (net/gate.py)
+    proof: str = ""           # private runs: membership proof for the sender's PeerID, hex (net/security/gate.py)
 
 
 @dataclass

@@ -1,13 +1,13 @@
 """Signed DHT records: a record stored under a subkey that names a PeerID (the roster, run settings, finished peers,
 hivemind's matchmaking and state-donor records) must be signed by that PeerID's own libp2p key, so no other node
-can forge or overwrite it (the keys and signatures: net/identity.py).
+can forge or overwrite it (the keys and signatures: net/security/identity.py).
 
 Every node of a swarm (peers, bootstrap nodes, ``status``) runs with an identity whose private key we hold
 (:func:`provide_identity`) and with :class:`PeerSignatureValidator` in its DHT: hivemind calls it on every record
 this node stores (``sign_value``: we sign those under our own PeerID), on every store request another node sends us,
 and on every record another node returns to us (``validate``). A record under a PeerID subkey without a valid
 signature of that PeerID is refused on store and dropped on read, and logged once per PeerID. Exempt: the revocation
-list, whose subkeys name the revoked peer (its records are MAC'd with the run's secret instead: net/access.py).
+list, whose subkeys name the revoked peer (its records are MAC'd with the run's secret instead: net/security/access.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
 from p2p_diloco.config import ConfigError
-from p2p_diloco.net.identity import Identity, IdentityError, check_sealed, is_peer_id, peer_id_bytes, seal, unseal
+from p2p_diloco.net.security.identity import Identity, IdentityError, check_sealed, is_peer_id, peer_id_bytes, seal, unseal
 
 logger = logging.getLogger(__name__)
 CACHE_SIZE = 4096  # verified records remembered (a roster read checks every entry from every node that answers)

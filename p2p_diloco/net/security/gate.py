@@ -24,8 +24,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
-from p2p_diloco.net.access import AccessKeys
-from p2p_diloco.net.auth import IsRevoked
+from p2p_diloco.net.security.access import AccessKeys
+from p2p_diloco.net.security.auth import IsRevoked
 
 logger = logging.getLogger(__name__)
 ADMIT_TIMEOUT = 10.0  # s for a donor to answer rpc_admit

@@ -27,7 +27,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.auth import AuthorizerBase
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco.net.access import AccessKeys, ReplayGuard, read_secret
+from p2p_diloco.net.security.access import AccessKeys, ReplayGuard, read_secret
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class _UpdateAuthorizer:
 
 
 class IsRevoked:
-    """Runs in the DHT's process: is ``peer`` (base58) revoked, as its authorizer knows now? (net/gate.py asks.)"""
+    """Runs in the DHT's process: is ``peer`` (base58) revoked, as its authorizer knows now? (net/security/gate.py asks.)"""
 
     def __init__(self, peer: str):
         self.peer = peer
