@@ -22,6 +22,8 @@ import statistics
 
 from common import demo_config, rounds_of, swarm_records, table
 
+from p2p_diloco.ops.procs import join_or_kill
+
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
@@ -90,10 +92,7 @@ def allreduce_cost(values: int, reps: int) -> tuple[dict[bool, float], float]:
         exchange = statistics.median(exchanges.get(timeout=10) for _ in range(3 * reps))
         return {on: statistics.median(slowest[on, r] for r in range(reps)) for on in (True, False)}, exchange
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+        join_or_kill(procs, timeout=30)
         boot.shutdown()
 
 

@@ -33,6 +33,7 @@ from common import fmt, table  # noqa: E402
 from p2p_diloco.config import AveragingConfig, NetworkConfig, load_config  # noqa: E402
 from p2p_diloco.net.averaging.aggregators import AGGREGATORS  # noqa: E402
 from p2p_diloco.ops.metrics import read_jsonl  # noqa: E402
+from p2p_diloco.ops.procs import join_or_kill  # noqa: E402
 from p2p_diloco.ops.swarm import DEMO_DEFAULTS, ChaosPlan, run_swarm, write_peer_config  # noqa: E402
 
 PEERS = 4
@@ -79,11 +80,7 @@ def cost(values: int, reps: int) -> dict:
             w.start()
         rows = [results.get(timeout=600) for _ in range(PEERS * len(plan))]
     finally:
-        for w in workers:
-            w.join(timeout=30)
-            if w.is_alive():
-                w.kill()
-                w.join()
+        join_or_kill(workers, timeout=30)
         boot.shutdown()
     failed = [r for r in rows if not r[3]]
     out = {"values": values, "reps": reps, "failed": [r[-1] for r in failed], "by_aggregator": {}}

@@ -173,8 +173,9 @@ class _Attempts:
         stub = CanonicalAverager.get_stub(node.p2p, target, namespace=self.prefix)
         admitted = "n/a"
         if self.secret:
-            reply = await stub.rpc_admit(averaging_pb2.JoinRequest(gather=self.proof(node.peer_id)), timeout=10)
-            admitted = averaging_pb2.MessageCode.Name(reply.code)
+            replies = await stub.rpc_admit(averaging_pb2.JoinRequest(gather=self.proof(node.peer_id)))
+            codes = [averaging_pb2.MessageCode.Name(reply.code) async for reply in replies]
+            admitted = ",".join(codes) or "no answer"
         size = 0
         async for message in await stub.rpc_download_state(averaging_pb2.DownloadRequest()):
             size += len(message.tensor_part.buffer)

@@ -13,6 +13,7 @@ import torch
 
 from p2p_diloco.net.averaging import Contribution, choose_participants
 from p2p_diloco.config import AveragingConfig, NetworkConfig
+from p2p_diloco.ops.procs import join_or_kill
 
 SHAPES = [torch.Size([700, 1500]), torch.Size([37])]  # ~1M values
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -91,11 +92,7 @@ def _run_group(setups: list[tuple[dict, float]], die_after_parts=None, victim=2,
             out.setdefault(setup, {})[index] = (result, digest, [torch.from_numpy(t) for t in tensors], residual)
         return out
     finally:
-        for w in workers:
-            w.join(timeout=15)
-            if w.is_alive():
-                w.kill()
-                w.join()
+        join_or_kill(workers, timeout=15)
         boot.shutdown()
 
 

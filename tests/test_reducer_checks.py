@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from p2p_diloco.config import AveragingConfig, NetworkConfig
-from p2p_diloco.net.averaging.reducer_checks import capped_fractions, describe_equivocations, equivocations, sane_bandwidths
+from p2p_diloco.net.averaging.reducer_checks import (capped_fractions, describe_equivocations, equivocations,
+                                                     sane_bandwidths)
+from p2p_diloco.ops.procs import join_or_kill
 
 SHAPES = [torch.Size([300, 500]), torch.Size([37])]
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -167,11 +169,7 @@ def rounds(module_process_tag):
             out.setdefault(list(SETUPS)[setup], {})[index] = (ok, error, digest)
         return out
     finally:
-        for w in workers:
-            w.join(timeout=15)
-            if w.is_alive():
-                w.kill()
-                w.join()
+        join_or_kill(workers, timeout=15)
         boot.shutdown()
 
 

@@ -87,6 +87,15 @@ def stop_groups(pids: list[int], grace_s: float = 10.0, sig: int = signal.SIGTER
             pass
 
 
+def join_or_kill(processes, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for each multiprocessing process to end; kill those still running."""
+    for process in processes:
+        process.join(timeout=timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
 def group_alive(pgid: int) -> bool:
     """True if any process (zombies excluded) still belongs to process group ``pgid``."""
     return bool(group_members(pgid))

@@ -22,7 +22,7 @@ from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer
-from hivemind.utils.asyncio import achain, anext, as_aiter
+from hivemind.utils.asyncio import achain, aiter_with_timeout, anext, as_aiter
 
 from p2p_diloco.net.security.access import AccessKeys
 from p2p_diloco.net.security.auth import IsRevoked
@@ -144,10 +144,12 @@ class MemberGate:
             yield message
 
     async def rpc_admit(self, request: averaging_pb2.JoinRequest,
-                        context: P2PContext) -> averaging_pb2.MessageFromLeader:
-        """A peer proves membership before downloading state: ``request.gather`` holds its proof (raw bytes)."""
+                        context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """A peer proves membership before downloading state: ``request.gather`` holds its proof (raw bytes). A
+        stream of one answer, not a unary call: hivemind 1.1.12's unary-call reader dies for good when an answer
+        arrives for a call the caller already cancelled (its timeout), which would wedge the caller's unary calls."""
         ok = await self._admit(context.remote_id, request.gather, "an admission")
-        return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED if ok else averaging_pb2.PROTOCOL_VIOLATION)
+        yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED if ok else averaging_pb2.PROTOCOL_VIOLATION)
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
@@ -160,9 +162,10 @@ class MemberGate:
         """Before downloading state from a donor in a private run: present our proof (rpc_admit)."""
         if self._access_keys is None:
             return
-        reply = await stub.rpc_admit(averaging_pb2.JoinRequest(gather=bytes.fromhex(self.own_proof)),
-                                     timeout=ADMIT_TIMEOUT)
-        if reply.code != averaging_pb2.ACCEPTED:
+        request = averaging_pb2.JoinRequest(gather=bytes.fromhex(self.own_proof))
+        replies = await asyncio.wait_for(stub.rpc_admit(request), timeout=ADMIT_TIMEOUT)
+        codes = [reply.code async for reply in aiter_with_timeout(replies, timeout=ADMIT_TIMEOUT)]
+        if codes != [averaging_pb2.ACCEPTED]:
             raise AllreduceException("the donor refused our membership proof")
 
 
