@@ -76,7 +76,7 @@ def plan_chaos(seed: int, num_peers: int, rounds: int) -> ChaosPlan:
         plan.faults[others[1]] = f"kill:{rng.choice(['inner', 'matchmaking'])}:{rng.randint(4, 5)}"
         removals += 1
     plan.actions += [(join1, "join", "join0"), (join2, "join", "join1"),
-                     (rng.randint(5, rounds - 2), "leave", others[removals - 1]),
+                     (rng.randint(5, max(5, rounds - 2)), "leave", others[removals - 1]),
                      (rng.randint(2, rounds - 2), "kill_bootstrap", "bootstrap")]
     plan.actions.sort()
     return plan
