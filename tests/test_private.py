@@ -165,11 +165,13 @@ def test_outsiders_are_refused_everywhere_and_the_members_rounds_are_their_own(p
 
     # the members' rounds: all committed by both, with both alone in the group and the same θ_global
     last = max(r["round"] for r in _rounds(run_dir, "peer0"))
-    _wait(lambda: any(r["round"] > last and r["committed"] for r in _rounds(run_dir, "peer1")), 60,
-          "a round after the outsiders")
-    committed = {n: {r["round"]: r for r in _rounds(run_dir, n) if r["committed"]} for n in ("peer0", "peer1")}
-    both = sorted(set(committed["peer0"]) & set(committed["peer1"]))
-    assert len(both) >= 3, committed
+
+    def committed_by_both():  # each member writes its own record of a round: wait for both, after the outsiders
+        rounds = {n: {r["round"]: r for r in _rounds(run_dir, n) if r["committed"]} for n in ("peer0", "peer1")}
+        common = sorted(set(rounds["peer0"]) & set(rounds["peer1"]))
+        return (rounds, common) if len(common) >= 3 and common[-1] > last else None
+
+    committed, both = _wait(committed_by_both, 90, "both members to commit a round after the outsiders")
     for round_ in both:
         a, b = committed["peer0"][round_], committed["peer1"][round_]
         assert sorted(a["outer/peers"]) == ["peer0", "peer1"] == sorted(b["outer/peers"]), (a, b)
