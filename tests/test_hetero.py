@@ -12,7 +12,7 @@ from p2p_diloco.config import load_config
 from p2p_diloco.ops.metrics import read_jsonl
 from p2p_diloco.ops.swarm import DEMO_DEFAULTS, ChaosPlan, run_swarm, write_peer_config
 
-ROUNDS = 7
+ROUNDS = 10
 
 
 @pytest.mark.timeout(420)
