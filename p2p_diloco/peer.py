@@ -352,7 +352,8 @@ class Peer:
                   "outer/bytes_sent": result.bytes_sent, "outer/bytes_received": result.bytes_received,
                   "outer/reducer_bytes": getattr(result, "reducer_bytes", 0),
                   "global_params_sha256": self.state.params_digest, "state_sha256": self.state.digest,
-                  "error": result.error, **timing, **self.replica.round_stats(tokens, timing["time/inner_s"])}
+                  "error": result.error, **timing, **self.replica.round_stats(tokens, timing["time/inner_s"]),
+                  **(self.rounds.background_split if steps else {})}
         eval_every = self.cfg.run.eval_every
         if committed and eval_every and self.round % eval_every == 0:
             begun = time.perf_counter()

@@ -63,6 +63,9 @@ class Ready:
     def __init__(self, contribution, result):
         self.contribution, self._result = contribution, result
 
+    def done(self):
+        return True
+
     def result(self):
         return self._result
 
@@ -314,6 +317,40 @@ def test_overlap_commits_each_average_one_round_late(tmp_path, mode):
     assert rounds[-1]["train/tokens"] == 0 and "eval/loss" in rounds[-1]  # the drained last all-reduce
     assert peer.tokens_since_commit == 0 and peer.tokens_trained == 3 * 3 * 2 * 32
     peer.close()
+
+
+class Running(Ready):
+    """An all-reduce still running in the background while the peer asks the first ``checks`` times."""
+
+    def __init__(self, contribution, result, checks):
+        super().__init__(contribution, result)
+        self.checks = checks
+
+    def done(self):
+        self.checks -= 1
+        return self.checks < 0
+
+
+class RunsTwoSteps(FakeAverager):
+    def start_average(self, contribution, weight):
+        return Running(contribution, self.average(contribution, weight), checks=2)
+
+
+def test_overlap_times_the_inner_steps_with_and_without_a_background_allreduce(tmp_path):
+    """Each round logs the median time of its steps that began while an all-reduce ran in the background and of the
+    others (its first step counted in neither): what overlap costs the inner steps."""
+    fake = RunsTwoSteps(["ok"] * 3)
+    cfg = load_config(overrides={"model.seq_len": "32", "inner.batch_size": "2", "diloco.inner_steps": "3",
+                                 "data.eval_batches": "1", "run.threads": "1", "run.progress": "false",
+                                 "run.run_dir": str(tmp_path / "run"), "run.rounds": "3", "diloco.overlap": "delayed"})
+    peer = Peer(cfg, averager=fake).start()
+    fake.bind(peer)
+    peer.run()
+    peer.close()
+    rounds = _rounds(tmp_path)
+    # round 1's record: round 2's steps, of which the first two began with round 1's all-reduce running
+    assert [r.get("train/steps_background") for r in rounds] == [1, 1, None]  # the drained last one: no steps
+    assert all(r["train/step_s_background"] > 0 and r["train/step_s_alone"] > 0 for r in rounds[:2])
 
 
 class StopAtSecond(FakeAverager):

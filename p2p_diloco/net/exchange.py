@@ -61,6 +61,11 @@ class Exchange:
     def in_flight(self) -> bool:
         return self.pending is not None
 
+    @property
+    def averaging(self) -> bool:
+        """An all-reduce is running in the averager's process right now (not yet done)."""
+        return self.pending is not None and not self.pending.done()
+
     # ------------------------------------------------------------------------------------------------ the round
     def settle(self) -> Optional[Settled]:
         """End of a round's inner steps: the all-reduce in flight, waited for (within its deadlines) and committed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -173,10 +174,11 @@ def resolve_device(name: str, local_rank: Optional[int] = None) -> torch.device:
 
 class RoundSteps:
     """One round's inner steps as a peer runs them: losses, tokens, each step's time (compute, and the sleep of
-    ``fault.slowdown``), and the progress bar (None: none)."""
+    ``fault.slowdown``), whether an all-reduce ran in the background when it began, and the progress bar (None:
+    none)."""
 
     def __init__(self, bar):
-        self.bar, self.losses, self.tokens, self.times = bar, [], 0, []
+        self.bar, self.losses, self.tokens, self.times, self.background = bar, [], 0, [], []
 
     @property
     def steps(self) -> int:
@@ -194,10 +196,11 @@ class RoundSteps:
     def mean_loss(self) -> float:
         return sum(self.losses) / len(self.losses) if self.losses else float("nan")
 
-    def add(self, loss: float, tokens: int, seconds: float) -> None:
+    def add(self, loss: float, tokens: int, seconds: float, background: bool = False) -> None:
         self.losses.append(loss)
         self.tokens += tokens
         self.times.append(seconds)
+        self.background.append(background)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
@@ -207,6 +210,16 @@ class RoundSteps:
         if self.steps < 2:
             return (self.steps, self.tokens, self.seconds) if self.steps else None
         return self.steps - 1, self.tokens * (self.steps - 1) // self.steps, sum(self.times[1:])
+
+    def background_split(self) -> dict:
+        """Median step time with an all-reduce running in the background and without, and how many steps had one;
+        the round's first step (one-off costs of a fresh round) counts in neither."""
+        split = {True: [], False: []}
+        for seconds, background in zip(self.times[1:], self.background[1:]):
+            split[background].append(seconds)
+        return {"train/step_s_background": statistics.median(split[True]) if split[True] else None,
+                "train/step_s_alone": statistics.median(split[False]) if split[False] else None,
+                "train/steps_background": len(split[True])}
 
     def plan(self, steps: int) -> None:
         if self.bar is not None:

@@ -24,6 +24,7 @@ class InnerRounds:
         self.group_clock = None  # (when our last committed all-reduce ended, its members' speeds): DyLU's next round
         self._struck = None  # the round an inner-phase fault struck in
         self.planned = 0  # H_i of the last round: the steps DyLU planned from the measured speeds (H without DyLU)
+        self.background_split: dict = {}  # the last round's step times with and without a background all-reduce
 
     @property
     def dylu(self) -> bool:
@@ -49,6 +50,7 @@ class InnerRounds:
         self._train(plan, plan.steps, work)
         self._inner_fault(work.steps, 0)  # a round that ended before its halfway step still gets its fault
         work.close()
+        self.background_split = work.background_split()
         self.pace.add(work.steps, work.tokens, work.seconds)
         return work
 
@@ -69,11 +71,12 @@ class InnerRounds:
         slowdown = peer.cfg.fault.slowdown
         while not peer.stop_event.is_set() and plan.more(work.steps, time.perf_counter(), work.last_step_s):
             self._inner_fault(work.steps, planned // 2)
+            background = peer.exchange.averaging  # an all-reduce in the averager's process (overlap)
             t0 = time.perf_counter()
             out = peer.replica.step(peer.data.train.next_batch, self._schedule_step(work.steps, planned))
             if slowdown > 1:
                 peer.stop_event.wait((slowdown - 1) * (time.perf_counter() - t0))
-            work.add(out.loss, out.tokens, time.perf_counter() - t0)
+            work.add(out.loss, out.tokens, time.perf_counter() - t0, background)
 
     def _inner_fault(self, done: int, at: int) -> None:
         """Fault injection (tests): strike once per round, halfway through its planned inner steps."""
