@@ -10,7 +10,7 @@ swarm runs without overlap (the peers average between rounds, nothing runs besid
 time against the delayed run's steps with a background all-reduce.
 
 Two peers share the device (both train on it the whole time, in either kind of step), with the BPE vocabulary of
-benchmarks/gpu.py (50257 entries, like gpt2's). Run on a GPU machine:
+benchmarks/gpu.py (50257 entries, like gpt2's), made for a GPU machine. Run:
 
     python benchmarks/background_cost.py [--preset 150m] [--batch 8] [--h 40] [--rounds 5] [--runs 3] \\
         [--codec int4 --codec scaled_fp16]
