@@ -2,15 +2,18 @@
 
 With overlap, round t's all-reduce runs in the averager's process (encoding, decoding and reducing on the CPU, p2pd
 moving the bytes) while round t+1's inner steps run on the GPU. Every peer times each inner step and notes whether
-an all-reduce was running when the step began (``train/step_s_background``, ``train/step_s_alone``: the medians of a
-round's steps, its first step left out). The figure: for each round that has both kinds of steps, step time with a
+its all-reduce was exchanging parts (its group formed; matchmaking not counted) when the step began
+(``train/step_s_background``, ``train/step_s_alone``: the medians of a round's steps, its first step left out). The figure: for each round that has both kinds of steps, step time with a
 background all-reduce over step time without, in the same round of the same process; the median over the rounds
-after the first and over the peers of a run, then the median over ``--runs`` runs. As a second reference the same
-swarm runs without overlap (the peers average between rounds, nothing runs beside the inner steps): its median step
-time against the delayed run's steps with a background all-reduce.
+after the first, then the median over ``--runs`` runs. As a second reference the same swarm runs without overlap
+(the peers average between rounds, nothing runs beside the inner steps): its median step time against the delayed
+run's steps with a background all-reduce.
 
-Two peers share the device (both train on it the whole time, in either kind of step), with the BPE vocabulary of
-benchmarks/gpu.py (50257 entries, like gpt2's), made for a GPU machine. Run:
+Two peers on one device: the measured one (peer0) and its averaging partner (peer1), which sleeps 19 times each of
+its steps' compute after it (``fault.slowdown`` 20; DyLU gives it about a twentieth of the steps), so that the GPU is
+peer0's alone but for about 5 % of the time in either kind of step (two peers training side by side would halve each
+one's speed whenever both train, which has nothing to do with the all-reduce). The BPE vocabulary is
+benchmarks/gpu.py's (50257 entries, like gpt2's). Made for a GPU machine. Run:
 
     python benchmarks/background_cost.py [--preset 150m] [--batch 8] [--h 40] [--rounds 5] [--runs 3] \\
         [--codec int4 --codec scaled_fp16]
@@ -27,14 +30,15 @@ from pathlib import Path
 from common import median, rounds_of, swarm_records, table
 from gpu import bpe_padded, config_for
 
+PARTNER_SLOWDOWN = 20.0
+
 
 def one_run(cfg, overlap: str, codec: str, h: int, rounds: int) -> dict:
-    """One 2-peer swarm; per-round ratios of step time with / without a background all-reduce, and step times."""
+    """One 2-peer swarm; peer0's per-round ratios of step time with / without a background all-reduce, step times."""
     cfg.diloco.overlap, cfg.averaging.codec = overlap, codec
     cfg.averaging.min_group_size = 2  # config_for's 1 suits gpu.py's single peer; here both average together
-    records = swarm_records(2, rounds, h, cfg, f"bg-{overlap}-{codec}", timeout=1200)
-    rows = [r for recs in records.values() for r in rounds_of(recs)
-            if r["round"] > 1 and r.get("train/inner_steps", 0) > 1]
+    records = swarm_records(2, rounds, h, cfg, f"bg-{overlap}-{codec}", timeout=1200, slowdowns=[1.0, PARTNER_SLOWDOWN])
+    rows = [r for r in rounds_of(records["peer0"]) if r["round"] > 1 and r.get("train/inner_steps", 0) > 1]
     ratios = [r["train/step_s_background"] / r["train/step_s_alone"] for r in rows
               if r.get("train/step_s_background") and r.get("train/step_s_alone")]
     steps = sum(r["train/inner_steps"] - 1 for r in rows)
@@ -79,7 +83,7 @@ def main() -> None:
                         f"{none_step:.4f}", f"{m['step_s_background'] / none_step:.3f}",
                         sum(r["rounds_with_both"] for r in delayed)])
     print(f"device {args.device}; preset {args.preset}, {args.batch} x {args.seq_len} tokens per step, vocabulary "
-          f"{args.vocab}; 2 peers on the device, H {args.h}, {args.rounds} rounds, median of {args.runs} runs")
+          f"{args.vocab}; peer0 of 2 peers on the device (its partner slowed down {PARTNER_SLOWDOWN:g}x), H {args.h}, {args.rounds} rounds, median of {args.runs} runs")
     print(table(["codec", "all-reduce s", "steps with a background all-reduce", "step s alone (delayed)",
                  "step s with a background all-reduce (delayed)", "with / alone, same rounds",
                  "step s without overlap (none)", "with / none", "rounds with both kinds"], out))

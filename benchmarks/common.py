@@ -19,11 +19,12 @@ def demo_config(**overrides) -> Config:
 
 
 def swarm_records(num_peers: int, rounds: int, inner_steps: int, cfg: Config, tag: str,
-                  timeout: float = 900) -> dict[str, list[dict]]:
-    """Run a local swarm to completion; return each peer's metrics records. Raises if the swarm failed."""
+                  timeout: float = 900, slowdowns: Optional[list[float]] = None) -> dict[str, list[dict]]:
+    """Run a local swarm to completion (``slowdowns``: run_swarm's); return each peer's metrics records. Raises if
+    the swarm failed."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{tag}-"))
     rc = run_swarm(num_peers, rounds, inner_steps, str(run_dir), write_peer_config(run_dir, cfg), timeout=timeout,
-                   echo=lambda s: None)
+                   slowdowns=slowdowns, echo=lambda s: None)
     summary = json.loads((run_dir / "summary.json").read_text())
     if rc != 0 or len(summary["rounds"]) < rounds:
         raise RuntimeError(f"swarm {tag} failed (exit {rc}, {len(summary['rounds'])} of {rounds} rounds): {run_dir}")

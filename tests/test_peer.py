@@ -63,8 +63,8 @@ class Ready:
     def __init__(self, contribution, result):
         self.contribution, self._result = contribution, result
 
-    def done(self):
-        return True
+    def exchanging(self):
+        return False
 
     def result(self):
         return self._result
@@ -326,9 +326,9 @@ class Running(Ready):
         super().__init__(contribution, result)
         self.checks = checks
 
-    def done(self):
+    def exchanging(self):
         self.checks -= 1
-        return self.checks < 0
+        return self.checks >= 0
 
 
 class RunsTwoSteps(FakeAverager):

@@ -63,8 +63,8 @@ class Exchange:
 
     @property
     def averaging(self) -> bool:
-        """An all-reduce is running in the averager's process right now (not yet done)."""
-        return self.pending is not None and not self.pending.done()
+        """An all-reduce is exchanging parts in the averager's process right now (its group formed, not yet done)."""
+        return self.pending is not None and self.pending.exchanging()
 
     # ------------------------------------------------------------------------------------------------ the round
     def settle(self) -> Optional[Settled]:

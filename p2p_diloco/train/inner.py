@@ -174,8 +174,8 @@ def resolve_device(name: str, local_rank: Optional[int] = None) -> torch.device:
 
 class RoundSteps:
     """One round's inner steps as a peer runs them: losses, tokens, each step's time (compute, and the sleep of
-    ``fault.slowdown``), whether an all-reduce ran in the background when it began, and the progress bar (None:
-    none)."""
+    ``fault.slowdown``), whether an all-reduce was exchanging parts in the background when it began, and the
+    progress bar (None: none)."""
 
     def __init__(self, bar):
         self.bar, self.losses, self.tokens, self.times, self.background = bar, [], 0, [], []

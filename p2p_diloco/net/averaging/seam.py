@@ -225,6 +225,12 @@ class PendingAverage:
     def done(self) -> bool:
         return self._result is not None or self.control is None or self.control.done()
 
+    def exchanging(self) -> bool:
+        """Its group has formed and the averager's process is encoding, sending, reducing and decoding parts now
+        (matchmaking, the wait for the group, is not counted)."""
+        return self._result is None and self.control is not None and not self.control.done() \
+            and self.control.stage == AveragingStage.RUNNING_ALLREDUCE
+
     def result(self) -> AverageResult:
         """The outcome; waits at most for the matchmaking and all-reduce deadlines. Never raises; frees the buffers."""
         if self._result is None:
