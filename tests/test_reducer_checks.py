@@ -40,6 +40,35 @@ def test_two_equivocating_reducers_are_both_named():
     assert set(equivocations(views, NAMES)) == {"p0", "p2"}
 
 
+def test_a_group_of_one_and_a_group_that_all_called_first_are_verified_at_once():
+    """Nothing left to hear: the check ends as soon as our own digests are known, not at the all-reduce's deadline
+    (a peer averaging alone used to wait out the whole deadline, 119 s by default, every round)."""
+    import asyncio
+    import time
+
+    from p2p_diloco.net.averaging.verify import PartVerifier, Verification
+
+    class Member(PartVerifier):
+        _verify_until = time.monotonic() + 60  # the all-reduce's deadline
+
+        async def _call_verify(self, group_id, v, j):  # a call to a member that has answered: the same digests
+            v.record(j, v.own.result())
+
+    class GroupInfo:
+        group_id = b"g"
+
+    async def verify(size: int, heard_first: list[int]):
+        v = Verification(NAMES[:size], NAMES[:size], 0)
+        own = [bytes([i]) * 32 for i in range(size)]
+        for j in heard_first:
+            v.record(j, own)  # their calls reached us before our all-reduce ended
+        await asyncio.wait_for(Member()._verify_parts(GroupInfo(), v, own), timeout=5)
+        return v.verdict()
+
+    assert asyncio.run(verify(1, [])) is None
+    assert asyncio.run(verify(3, [1, 2])) is None
+
+
 def test_capped_share_takes_the_excess_of_a_greedy_member_to_the_others():
     # hivemind's load balancing gave member 0 (huge declared bandwidth) nearly everything
     fractions = capped_fractions([998, 1, 1, 0], [True, True, True, False], max_share=2.0)

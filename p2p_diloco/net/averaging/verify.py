@@ -194,6 +194,7 @@ class PartVerifier:
         """Exchange digests with the members we pair with; raise AllreduceException naming the reducer(s) whose
         bytes differ, or the member(s) whose digests are missing, unless every one matches ours."""
         v.own.set_result(own)
+        v.check_settled()  # a group of one has nobody to hear from; others may all have called already
         calls = [asyncio.create_task(self._call_verify(group_info.group_id, v, j)) for j in sorted(v.expected)]
         try:
             await asyncio.wait_for(v.settled.wait(), timeout=self._verify_deadline())
