@@ -8,8 +8,10 @@ that rounds end together); if the run moved on while we trained, catch up again 
 so the next round's pseudo-gradient carries this round's work too (roll back).
 
 Overlap (``diloco.overlap``, net/exchange.py): the all-reduce of round t runs in the background while round t+1
-trains and is settled (committed if good) at round t+1's end; catching up with the run waits for that settle (the
-buffers are the averager's until then); leaving or finishing waits for the all-reduce in flight.
+trains and is settled (committed if good) at round t+1's end, or with ``diloco.overlap_steps`` τ after τ of its
+inner steps (train/rounds.py asks the exchange before each step; the outcome is logged at the round's end as
+always); catching up with the run waits for the round's end (the buffers are the averager's until the settle);
+leaving or finishing waits for the all-reduce in flight.
 
 Rebasing (``diloco.max_staleness``): when the peer replaces its θ_global by the run's (it missed rounds, was frozen,
 resumed from an old checkpoint, or was in the minority), its local work δ = θ_global_old − θ_local is kept:
@@ -240,7 +242,8 @@ class Peer:
             # wall time of this round by part: sync (roster reads, state repairs), inner steps, waiting for an average
             # (matchmaking and all-reduce, or with overlap what the inner steps did not hide), and the whole round
             # (the rest: pseudo-gradient, outer step); evaluation is not counted
-            timing = {"time/sync_s": started - begun + caught_up - inner_done, "time/inner_s": inner_done - started,
+            timing = {"time/sync_s": started - begun + caught_up - inner_done,
+                      "time/inner_s": inner_done - started - (settled.waited_in_steps_s if settled else 0.0),
                       "time/wait_s": settled.waited_s if settled else 0.0, "time/round_s": time.perf_counter() - begun}
             self._end_round(settled, train_loss, tokens, steps, timing)
 

@@ -49,6 +49,9 @@ def test_dumped_config_reads_back_equal(tmp_path):
     ({"averaging.codec": "int3"}, "averaging.codec: expected one of"),
     ({"data.streaming": "maybe"}, "data.streaming: expected bool"),
     ({"averaging.min_group_size": "8", "averaging.target_group_size": "4"}, "averaging.min_group_size"),
+    ({"diloco.overlap_steps": "2"}, "diloco.overlap_steps: settling after 2 inner steps needs diloco.overlap=delayed"),
+    ({"diloco.overlap": "eager", "diloco.overlap_steps": "1"}, "needs diloco.overlap=delayed, not eager"),
+    ({"diloco.overlap": "delayed", "diloco.overlap_steps": "-1"}, "diloco.overlap_steps: must be >= 0"),
 ])
 def test_bad_values_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -76,6 +79,7 @@ def test_toml_types_are_checked(tmp_path):
     (["doctor", "--network.reachability=maybe"], "network.reachability: expected one of auto, public, private"),
     (["peer", "--network.trusted_relays=relay.example:31337"], "network.trusted_relays: expected multiaddrs"),
     (["peer", "--nproc-per-node", "0"], "--nproc-per-node: must be >= 1"),
+    (["peer", "--diloco.overlap=eager", "--diloco.overlap_steps=5"], "diloco.overlap_steps: settling after 5"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
     out = _cli(*args)

@@ -119,3 +119,57 @@ def test_state_round_trips_and_a_restart_counts_the_round_in_flight_as_missed():
     other.load_state_dict(ov.state_dict())
     assert not other.in_flight
     assert all(torch.equal(a, b) for a, b in zip((*ov.offset, *ov.sent), (*other.offset, *other.sent)))
+
+
+def test_delayed_overlap_settled_after_tau_steps_drops_no_work_and_counts_none_twice():
+    """``diloco.overlap_steps``: the all-reduce in flight is settled after τ of the next round's inner steps
+    (advance with the τ steps' work, restart), the rest of the round is added at its end with nothing in flight
+    (advance with arrived=False). Two workers, a Nesterov outer step, failures anywhere: θ_local moves only by the
+    change of θ_global in place of the contribution it committed, and once the last contribution commits each worker's committed contributions sum to exactly
+    all the work it did."""
+    glob = [torch.zeros(s) for s in SHAPES]
+    outer = OuterNesterov(glob, 0.7, 0.5)
+    locals_ = [[t.clone() for t in glob] for _ in range(2)]
+    overlaps = [Overlap("delayed", SHAPES) for _ in range(2)]
+    done = [[torch.zeros(s) for s in SHAPES] for _ in range(2)]  # each worker's work: its inner phases' moves
+    committed = [[torch.zeros(s) for s in SHAPES] for _ in range(2)]
+    in_flight = None  # the two contributions of the all-reduce in flight
+
+    def train(steps: int) -> list[list[torch.Tensor]]:
+        works = []
+        for w in range(2):
+            before = locals_[w]
+            locals_[w] = _inner(before, w, steps)
+            for d, a, b in zip(done[w], before, locals_[w]):
+                d.add_(a - b)
+            works.append([torch.empty(s) for s in SHAPES])
+            overlaps[w].work(glob, locals_[w], works[w])
+        return works
+
+    def settle(works, arrived: bool) -> None:
+        old = [g.clone() for g in glob]
+        if arrived:
+            outer.step(glob, [(a + b) / 2 for a, b in zip(*in_flight)])
+            for c, sent in zip(committed, in_flight):
+                for t, s in zip(c, sent):
+                    t.add_(s)
+        for w in range(2):
+            # θ_local follows θ_global's change in place of our stale contribution, else stays where it is
+            stale = [s.clone() if arrived else torch.zeros(s.shape) for s in overlaps[w].sent]
+            overlaps[w].advance(works[w], arrived, 0.5, outer.step_response)
+            trained = [t.clone() for t in locals_[w]]
+            overlaps[w].restart(locals_[w], glob)
+            for l, t, g, o, s in zip(locals_[w], trained, glob, old, stale):
+                torch.testing.assert_close(l, t + (g - o) + s, rtol=0, atol=1e-5)
+
+    for ok in (True, True, False, True, False, False, True, True):
+        if in_flight is not None:  # τ = 1 step, then the last round's all-reduce is settled
+            settle(train(1), arrived=ok)
+            in_flight = None
+        settle(train(2), arrived=False)  # the rest of the round, with nothing in flight
+        in_flight = [[s.clone() for s in ov.sent] for ov in overlaps]
+    settle(train(0), arrived=True)  # the last one commits
+    for w in range(2):
+        assert all(float(s.abs().max()) < 1e-5 for s in overlaps[w].sent)  # nothing owed
+        for c, d in zip(committed[w], done[w]):
+            torch.testing.assert_close(c, d, rtol=1e-5, atol=1e-5)

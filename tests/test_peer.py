@@ -319,6 +319,64 @@ def test_overlap_commits_each_average_one_round_late(tmp_path, mode):
     peer.close()
 
 
+class TakenAt(FakeAverager):
+    """Records how many inner steps the peer had run when it took each all-reduce's result."""
+
+    def __init__(self, outcomes):
+        super().__init__(outcomes)
+        self.taken_at = []
+
+    def start_average(self, contribution, weight):
+        ready, taken = super().start_average(contribution, weight), self.taken_at
+        ready.result = lambda: taken.append(self.peer.inner.step_count) or ready._result
+        return ready
+
+
+def test_overlap_steps_settle_each_average_after_tau_steps_of_the_next_round(tmp_path):
+    """``diloco.overlap_steps`` = 1: round t's all-reduce is committed after the first inner step of round t+1 (the
+    last one drained after the last round) and logged at that round's end; θ_global is the outer step (SGD, lr 1)
+    applied to the contributions; θ_local never jumps (the contribution committed is exactly the one θ_global took)
+    and at the end equals θ_global: no work was lost or counted twice, through a failed round too."""
+    overrides = {"model.seq_len": "32", "inner.batch_size": "2", "diloco.inner_steps": "3", "data.eval_batches": "1",
+                 "run.threads": "1", "run.progress": "false", "run.run_dir": str(tmp_path / "run"), "run.name": "p0",
+                 "run.rounds": "3", "diloco.overlap": "delayed", "diloco.overlap_steps": "1",
+                 "diloco.outer_optimizer": "sgd", "diloco.outer_lr": "1.0"}
+    fake = TakenAt(["ok", "fail", "ok", "ok"])
+    peer = Peer(load_config(overrides=overrides), averager=fake).start()
+    fake.bind(peer)
+    fake.peer = peer
+    theta0 = [p.clone() for p in peer.state.params]
+    moves = []  # each inner step's (θ_local before, after)
+    step = peer.replica.step
+
+    def recorded(*args):
+        before = [p.detach().clone() for p in peer.model.parameters()]
+        out = step(*args)
+        moves.append((before, [p.detach().clone() for p in peer.model.parameters()]))
+        return out
+
+    peer.replica.step = recorded
+    peer.run()
+    peer.close()
+    assert fake.taken_at == [4, 7, 10, 12]  # after step 1 of rounds 2, 3, 4; the last one drained
+    assert [c.round for c, _, _ in fake.calls] == [0, 1, 1, 2]  # round 2's failed contribution went out again
+    assert [c.tokens for c, _, _ in fake.calls] == [192, 192, 384, 192]
+    reference = [p.clone() for p in theta0]
+    for (_, _, delta), outcome in zip(fake.calls, ["ok", "fail", "ok", "ok"]):
+        for r, d in zip(reference, delta if outcome == "ok" else []):
+            r.sub_(d)  # SGD, lr 1
+    assert params_digest(peer.state.params) == params_digest(reference)
+    for (_, after), (before, _) in zip(moves, moves[1:]):  # a restart between two steps left θ_local in place
+        for a, b in zip(after, before):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    for l, g in zip(peer.model.parameters(), peer.state.params):
+        torch.testing.assert_close(l.detach(), g, rtol=0, atol=1e-6)
+    rounds = _rounds(tmp_path)
+    assert [(r["round"], r["committed"]) for r in rounds] == [(1, True), (1, False), (2, True), (3, True)]
+    assert [r["train/inner_steps"] for r in rounds] == [3, 3, 3, 0]  # logged at the end of the round they ended in
+    assert peer.tokens_since_commit == 0 and peer.tokens_trained == 4 * 3 * 2 * 32
+
+
 class Running(Ready):
     """An all-reduce still running in the background while the peer asks the first ``checks`` times."""
 

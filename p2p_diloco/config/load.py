@@ -165,6 +165,9 @@ def _check_consistency(cfg: Config) -> None:
     if d.overlap == "eager" and d.outer_optimizer not in ("nesterov", "sgd"):
         raise ConfigError(f"diloco.overlap: eager needs an outer step linear in the average (nesterov or sgd), not "
                           f"diloco.outer_optimizer={d.outer_optimizer}")
+    if d.overlap_steps and d.overlap != "delayed":
+        raise ConfigError(f"diloco.overlap_steps: settling after {d.overlap_steps} inner steps needs "
+                          f"diloco.overlap=delayed, not {d.overlap}")
     if d.dn_delay is not None and d.dn_c > 1 / d.dn_delay:
         raise ConfigError(f"diloco.dn_c: must be in [0, 1/dn_delay] = [0, {1 / d.dn_delay:g}], got {d.dn_c!r}")
 

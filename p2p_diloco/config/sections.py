@@ -120,6 +120,10 @@ class DiLoCoConfig:
                       "committed one round late; delayed: θ_local keeps the work not yet averaged; eager: θ_local "
                       "starts from the outer step with our fresh contribution in place of our stale one (arXiv "
                       "2502.12996)", choices=("none", "delayed", "eager"), shared=True)
+    overlap_steps: int = _f(0, "with overlap delayed: settle the all-reduce in flight after this many inner steps "
+                            "of the next round (tau of Streaming DiLoCo; a peer whose average has not arrived by "
+                            "then waits for it there) instead of at that round's end; 0: at the round's end",
+                            "inner steps", _non_negative, "must be >= 0", shared=True)
 
 
 @dataclass

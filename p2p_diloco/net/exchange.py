@@ -9,6 +9,13 @@ decodes and reduces; the peer's process does not touch the buffers until the res
 peer settles it at once. With overlap the all-reduce of round t runs while round t+1 trains and is committed at
 round t+1's end, so a peer's committed round lags its training by one round.
 
+With ``diloco.overlap_steps`` τ > 0 (delayed only), the inner steps call :meth:`Exchange.settle_due` before each
+step and the all-reduce in flight is settled after τ steps of round t+1 instead (the peer waits there, within the
+same deadlines, if it has not ended): θ_global takes its step and θ_local follows it, keeping the τ steps' work, which
+goes out at round t+1's end with the rest of that round's (overlap.py: its ``advance`` with nothing in flight adds
+the rest). The settled outcome is kept and returned by the round-end :meth:`Exchange.settle`, so the round loop logs
+and reports it where it always does.
+
 Committing is the same in every mode: if the average is finite, θ_global and the outer state take the outer step
 (bit-identical on every member) and error feedback keeps the residual of the committed contribution. Only θ_local
 differs: without overlap it becomes θ_global; with overlap it goes on from θ_global + offset (overlap.py).
@@ -38,6 +45,12 @@ class Settled:
     committed: bool
     waited_s: float         # how long the round loop was blocked on it
     ended: float            # time.perf_counter() when its result was taken
+    mid_round: bool = False  # settled after diloco.overlap_steps inner steps (its wait is inside the inner phase)
+
+    @property
+    def waited_in_steps_s(self) -> float:
+        """The part of the inner phase's wall time spent waiting for it (settled after τ steps), else 0."""
+        return self.waited_s if self.mid_round else 0.0
 
 
 class Exchange:
@@ -52,6 +65,8 @@ class Exchange:
         self.peers = max(1, peer.cfg.run.expected_peers)  # the group we expect (eager's share before any commit)
         self.announced_speed = 0.0  # the inner-step speed we announced with our last contribution (DyLU)
         self._live_modes: list[str] = []  # the live peers' reachability when it started (explanations)
+        self.settle_after = peer.cfg.diloco.overlap_steps if self.overlap is not None else 0  # τ; 0: round's end
+        self._early: Optional[Settled] = None  # settled after τ steps, returned by the round-end settle()
 
     @property
     def overlapped(self) -> bool:
@@ -67,23 +82,29 @@ class Exchange:
         return self.pending is not None and self.pending.exchanging()
 
     # ------------------------------------------------------------------------------------------------ the round
+    def settle_due(self, steps: int) -> None:
+        """Before an inner step, ``steps`` done in this round: after τ = ``diloco.overlap_steps`` of them the
+        all-reduce in flight is settled now (waited for, committed if good, θ_local following θ_global)."""
+        if self.pending is not None and steps == self.settle_after > 0:
+            self._early = self.settle()
+            self._early.mid_round = True
+
     def settle(self) -> Optional[Settled]:
         """End of a round's inner steps: the all-reduce in flight, waited for (within its deadlines) and committed
         if good; with overlap, also where θ_local goes on from and what goes out next. Returns the all-reduce's
-        outcome, or None if none was in flight."""
-        settled = None
+        outcome (or the one :meth:`settle_due` settled during this round), or None if none was in flight."""
+        settled, self._early = self._early, None
         work = self._work() if self.overlap is not None else None  # against θ_global before any outer step
+        arrived = False  # an average holding our ``sent`` was committed just now
         if self.pending is not None:
             pending, self.pending = self.pending, None
             result = pending.result()
             self._explain(result)
-            committed = result.ok and self._commit(result, pending.contribution.tokens)
-            settled = Settled(result, committed, pending.waited, time.perf_counter())
+            arrived = result.ok and self._commit(result, pending.contribution.tokens)
+            settled = Settled(result, arrived, pending.waited, time.perf_counter())
         if self.overlap is not None:
-            peer = self.peer
             share = self.share or 1.0 / self.peers  # before any commit: an equal share
-            self.overlap.advance(work, settled is not None and settled.committed, share,
-                                 peer.state.outer.step_response)
+            self.overlap.advance(work, arrived, share, self.peer.state.outer.step_response)
             self._restart()
         return settled
 

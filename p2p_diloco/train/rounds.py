@@ -71,6 +71,7 @@ class InnerRounds:
         slowdown = peer.cfg.fault.slowdown
         while not peer.stop_event.is_set() and plan.more(work.steps, time.perf_counter(), work.last_step_s):
             self._inner_fault(work.steps, planned // 2)
+            peer.exchange.settle_due(work.steps)  # diloco.overlap_steps: the last round's all-reduce, after τ steps
             background = peer.exchange.averaging  # an all-reduce in the averager's process (overlap)
             t0 = time.perf_counter()
             out = peer.replica.step(peer.data.train.next_batch, self._schedule_step(work.steps, planned))
