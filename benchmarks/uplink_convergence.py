@@ -6,11 +6,13 @@ exactly as in the swarm's all-reduce (p2p_diloco.net.averaging.wire: every contr
 mean in fp32, the mean encoded with the average codec; block codecs cut tensors into the same blocks as the swarm's
 parts, so their values are the swarm's), with the peer's error feedback (the residual of each replica's contribution
 added to its next one) and the peer's overlap bookkeeping (p2p_diloco.train.overlap: the all-reduce of round t is
-committed at the end of round t+1; the last one is committed after the last round, so every variant ends at the same
-tokens). What is not emulated: the order in which a reducer sums contributions, and failures (every round commits).
+committed at the end of round t+1, or with τ = ``diloco.overlap_steps`` after τ inner steps of round t+1, the
+rest of that round's work added when it ends; the last one is committed after the last round, so every variant ends
+at the same tokens). What is not emulated: the order in which a reducer sums contributions, and failures (every round commits).
 
 Variants (``--variant``, default all): fp32, scaled_fp16, int8, int4, int4+ef, e3m0, e3m0+ef, int4+ef>int8
-(int4 contributions, averages sent back in int8), and overlap delayed / eager with int4+ef. Results are appended to
+(int4 contributions, averages sent back in int8), and overlap delayed / eager with int4+ef, delayed also settled
+after τ = 1, 2, 5 inner steps (delayed-t1, -t2, -t5). Results are appended to
 ``--out`` (JSON lines, one per variant and seed; runs already there are skipped, so an interrupted study resumes);
 the table gives the final eval loss, median over seeds, and its gap to fp32 (codecs) or to no overlap (overlap).
 The tiny preset (0.46M parameters) at 1000 steps x 4 replicas (4.1M tokens, 45% of its Chinchilla budget) takes
@@ -36,11 +38,14 @@ import torch
 
 from common import demo_config, median, table
 
-VARIANTS = {  # name: (codec, average codec, error feedback, overlap); the main comparison first
+VARIANTS = {  # name: (codec, average codec, error feedback, overlap[, overlap_steps τ]); the main comparison first
     "fp32": ("fp32", None, False, "none"),
     "int4+ef": ("int4", None, True, "none"),
     "int4+ef eager": ("int4", None, True, "eager"),
     "int4+ef delayed": ("int4", None, True, "delayed"),
+    "int4+ef delayed-t1": ("int4", None, True, "delayed", 1),
+    "int4+ef delayed-t2": ("int4", None, True, "delayed", 2),
+    "int4+ef delayed-t5": ("int4", None, True, "delayed", 5),
     "int4": ("int4", None, False, "none"),
     "int8": ("int8", None, False, "none"),
     "scaled_fp16": ("scaled_fp16", None, False, "none"),
@@ -55,7 +60,7 @@ class Replicas:
     """DiLoCo with ``peers`` replicas configured like a local swarm's peers, in this process."""
 
     def __init__(self, cfg, peers: int, rounds: int, codec: str, average_codec: Optional[str], error_feedback: bool,
-                 overlap: str):
+                 overlap: str, overlap_steps: int = 0):
         from p2p_diloco.net.averaging.wire import WireCodec
         from p2p_diloco.train.data import build_data
         from p2p_diloco.train.inner import InnerTrainer
@@ -80,33 +85,50 @@ class Replicas:
         self.residuals = [[torch.zeros(s) for s in shapes] for _ in range(peers)] if error_feedback else None
         self.overlaps = [Overlap(overlap, shapes) for _ in range(peers)] if overlap != "none" else None
         self.in_flight: Optional[list[torch.Tensor]] = None
+        self.overlap_steps = overlap_steps  # τ: the all-reduce in flight is settled after τ steps of the next round
         self.tokens = 0
 
     def run_round(self) -> None:
         from p2p_diloco.train.outer import load_into, pseudo_gradient
 
-        works = []
-        for i, (model, inner, data) in enumerate(self.replicas):
-            for _ in range(self.cfg.diloco.inner_steps):
-                self.tokens += inner.step(data.train.next_batch).tokens
-            work = [torch.empty_like(p) for p in self.params]
-            if self.overlaps is None:
-                pseudo_gradient(self.params, model.parameters(), work)
-            else:
-                self.overlaps[i].work(self.params, model.parameters(), work)
-            works.append(work)
+        H, tau = self.cfg.diloco.inner_steps, self.overlap_steps
         if self.overlaps is None:
+            works = self._train(H, pseudo_gradient)
             self.outer.step(self.params, self._average(works), num_contributions=len(works))
             for model, _, _ in self.replicas:
                 load_into(model.parameters(), self.params)
             return
-        if self.in_flight is not None:
+        if 0 < tau < H and self.in_flight is not None:  # τ steps, then the all-reduce in flight is settled
+            self._settle(self._train(tau), arrived=True)
+            self._settle(self._train(H - tau), arrived=False)  # nothing in flight: all this round's work goes out
+        else:  # settled at the end of the round (τ = 0, the peer's default)
+            self._settle(self._train(H), arrived=self.in_flight is not None)
+        self.in_flight = self._average([ov.sent for ov in self.overlaps])
+
+    def _train(self, steps: int, pseudo_gradient=None) -> list[list[torch.Tensor]]:
+        """``steps`` inner steps on every replica; each one's work since its last restart (or pseudo-gradient)."""
+        works = []
+        for i, (model, inner, data) in enumerate(self.replicas):
+            for _ in range(steps):
+                self.tokens += inner.step(data.train.next_batch).tokens
+            work = [torch.empty_like(p) for p in self.params]
+            if pseudo_gradient is not None:
+                pseudo_gradient(self.params, model.parameters(), work)
+            else:
+                self.overlaps[i].work(self.params, model.parameters(), work)
+            works.append(work)
+        return works
+
+    def _settle(self, works: list[list[torch.Tensor]], arrived: bool) -> None:
+        """The peer's Exchange.settle: the average in flight committed if it ``arrived``, then every replica's
+        bookkeeping (train/overlap.py) and θ_local restarted."""
+        if arrived:
             self.outer.step(self.params, self.in_flight, num_contributions=len(works))
+            self.in_flight = None
         for ov, work, (model, _, _) in zip(self.overlaps, works, self.replicas):
             # equal tokens per replica: equal shares of the average
-            ov.advance(work, self.in_flight is not None, 1 / len(works), self.outer.step_response)
+            ov.advance(work, arrived, 1 / len(works), self.outer.step_response)
             ov.restart(model.parameters(), self.params)
-        self.in_flight = self._average([ov.sent for ov in self.overlaps])
 
     def drain(self) -> None:
         """Commit the all-reduce still in flight (overlap): every variant then holds all of its tokens' work."""
@@ -159,11 +181,11 @@ def model_name(model: str) -> str:
 
 def run(variant: str, seed: int, peers: int, steps: int, h: int, eval_every: int, model: str,
         outer: dict) -> dict:
-    codec, average_codec, ef, overlap = VARIANTS[variant]
+    codec, average_codec, ef, overlap, *tau = VARIANTS[variant]
     cfg = demo_config(**{"data.seed": seed, "run.seed": seed, "diloco.inner_steps": h, "data.eval_batches": 16,
                          "model.name": model_name(model), **outer})
     rounds = steps // h
-    replicas = Replicas(cfg, peers, rounds, codec, average_codec, ef, overlap)
+    replicas = Replicas(cfg, peers, rounds, codec, average_codec, ef, overlap, *tau)
     start = time.perf_counter()
     curve = [(0, replicas.evaluate())]
     for r in range(1, rounds + 1):

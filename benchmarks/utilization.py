@@ -152,8 +152,11 @@ def rate_limited(args) -> None:
             for codec in args.codec or ["scaled_fp16"]:
                 for overlap in args.overlap or ["none"]:
                     overrides = {**LINK_DEFAULTS, "model.name": model, "averaging.codec": codec}
-                    if overlap != "none":
-                        overrides["diloco.overlap"] = overlap
+                    if overlap != "none":  # delayed-tN: delayed, settled after N inner steps (overlap_steps)
+                        mode, _, tau = overlap.partition("-t")
+                        overrides["diloco.overlap"] = mode
+                        if tau:
+                            overrides["diloco.overlap_steps"] = int(tau)
                     run_dir = scratch / f"{codec}-{overlap}-{run}"
                     shares = link_shares(swarm_in_lab(lab, run_dir, overrides, args.rounds, h))
                     results.setdefault((codec, overlap), []).append(shares)
@@ -182,7 +185,8 @@ def main() -> None:
     parser.add_argument("--link", type=float, help="run each peer in a network namespace with links of this many "
                         "Mbit/s (needs root)")
     parser.add_argument("--codec", action="append", help="with --link: averaging.codec values (default scaled_fp16)")
-    parser.add_argument("--overlap", action="append", help="with --link: diloco.overlap values (default none)")
+    parser.add_argument("--overlap", action="append", help="with --link: diloco.overlap values (default none); "
+                        "delayed-tN: delayed with diloco.overlap_steps=N")
     parser.add_argument("--model", help="with --link: model.name (default: the 7.2M-parameter payload model)")
     args = parser.parse_args()
     rate_limited(args) if args.link else loopback(args)
