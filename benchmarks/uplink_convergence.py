@@ -12,7 +12,7 @@ at the same tokens). What is not emulated: the order in which a reducer sums con
 
 Variants (``--variant``, default all): fp32, scaled_fp16, int8, int4, int4+ef, e3m0, e3m0+ef, int4+ef>int8
 (int4 contributions, averages sent back in int8), and overlap delayed / eager with int4+ef, delayed also settled
-after τ = 1, 2, 5 inner steps (delayed-t1, -t2, -t5). Results are appended to
+after τ = 1, 2, 5, 10 inner steps (delayed-t1, -t2, -t5, -t10). Results are appended to
 ``--out`` (JSON lines, one per variant and seed; runs already there are skipped, so an interrupted study resumes);
 the table gives the final eval loss, median over seeds, and its gap to fp32 (codecs) or to no overlap (overlap).
 The tiny preset (0.46M parameters) at 1000 steps x 4 replicas (4.1M tokens, 45% of its Chinchilla budget) takes
@@ -46,6 +46,7 @@ VARIANTS = {  # name: (codec, average codec, error feedback, overlap[, overlap_s
     "int4+ef delayed-t1": ("int4", None, True, "delayed", 1),
     "int4+ef delayed-t2": ("int4", None, True, "delayed", 2),
     "int4+ef delayed-t5": ("int4", None, True, "delayed", 5),
+    "int4+ef delayed-t10": ("int4", None, True, "delayed", 10),
     "int4": ("int4", None, False, "none"),
     "int8": ("int8", None, False, "none"),
     "scaled_fp16": ("scaled_fp16", None, False, "none"),

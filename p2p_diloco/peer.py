@@ -257,7 +257,8 @@ class Peer:
         # overlap that moment falls inside the next round: each peer plans from its own clock instead)
         shared = committed and result.speeds and not self.exchange.overlapped
         self.rounds.group_clock = (settled.ended, result.speeds) if shared else None
-        self._log_round(result, committed, train_loss, tokens, steps, timing)
+        after = steps if settled.after_steps is None else settled.after_steps  # where the loop took the result
+        self._log_round(result, committed, train_loss, tokens, steps, {**timing, "outer/settled_after_steps": after})
         self._report(result)
         if committed:
             self._after_commit()

@@ -109,12 +109,13 @@ def test_churn_over_ten_rounds_with_two_leaves_and_two_joins(tmp_path, process_t
 
 @pytest.mark.timeout(420)
 def test_peer_killed_during_a_background_allreduce_with_4_bits_and_error_feedback(tmp_path, process_tag):
-    """Overlap: the all-reduce that makes round 2 runs while the next round trains; peer2 dies in it. Both survivors
-    fail that round (nothing committed, no half-applied average), their inner steps went on meanwhile, and they
-    agree on every round committed after."""
+    """Overlap: the all-reduce that makes round 2 runs while the next round trains, and is settled after 2 of its
+    inner steps (diloco.overlap_steps); peer2 dies in it. Both survivors fail that round (nothing committed, no
+    half-applied average), their inner steps went on meanwhile, and they agree on every round committed after."""
     plan = ChaosPlan(faults={"peer2": "kill:allreduce:2"})
     summary = _run(tmp_path, peers=3, rounds=4, plan=plan, inner_steps=8, **{
-        "diloco.overlap": "delayed", "averaging.codec": "int4", "averaging.error_feedback": True})
+        "diloco.overlap": "delayed", "diloco.overlap_steps": 2, "averaging.codec": "int4",
+        "averaging.error_feedback": True})
     assert [(e["peer"], e["phase"]) for e in _events(summary, "kill")] == [("peer2", "allreduce")]
     for name in ("peer0", "peer1"):
         rounds = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if r.get("event") == "round"]
@@ -122,3 +123,4 @@ def test_peer_killed_during_a_background_allreduce_with_4_bits_and_error_feedbac
         assert failed and failed[0]["round"] == 1 and failed[0]["train/tokens"] > 0, \
             "the all-reduce of round 2 failed while the next round trained"
         assert _committed(tmp_path, name) == [1, 2, 3, 4]
+        assert all(r["outer/settled_after_steps"] == 2 for r in rounds if r["train/inner_steps"] > 2)

@@ -374,6 +374,7 @@ def test_overlap_steps_settle_each_average_after_tau_steps_of_the_next_round(tmp
     rounds = _rounds(tmp_path)
     assert [(r["round"], r["committed"]) for r in rounds] == [(1, True), (1, False), (2, True), (3, True)]
     assert [r["train/inner_steps"] for r in rounds] == [3, 3, 3, 0]  # logged at the end of the round they ended in
+    assert [r["outer/settled_after_steps"] for r in rounds] == [1, 1, 1, 0]
     assert peer.tokens_since_commit == 0 and peer.tokens_trained == 4 * 3 * 2 * 32
 
 

@@ -45,12 +45,13 @@ class Settled:
     committed: bool
     waited_s: float         # how long the round loop was blocked on it
     ended: float            # time.perf_counter() when its result was taken
-    mid_round: bool = False  # settled after diloco.overlap_steps inner steps (its wait is inside the inner phase)
+    after_steps: Optional[int] = None  # settled after this many inner steps of a round (diloco.overlap_steps; its
+    #                                    wait is then inside the inner phase); None: when the round's steps ended
 
     @property
     def waited_in_steps_s(self) -> float:
         """The part of the inner phase's wall time spent waiting for it (settled after τ steps), else 0."""
-        return self.waited_s if self.mid_round else 0.0
+        return self.waited_s if self.after_steps is not None else 0.0
 
 
 class Exchange:
@@ -87,7 +88,7 @@ class Exchange:
         all-reduce in flight is settled now (waited for, committed if good, θ_local following θ_global)."""
         if self.pending is not None and steps == self.settle_after > 0:
             self._early = self.settle()
-            self._early.mid_round = True
+            self._early.after_steps = steps
 
     def settle(self) -> Optional[Settled]:
         """End of a round's inner steps: the all-reduce in flight, waited for (within its deadlines) and committed
