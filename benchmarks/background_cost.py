@@ -3,9 +3,10 @@
 With overlap, round t's all-reduce runs in the averager's process (encoding, decoding and reducing on the CPU, p2pd
 moving the bytes) while round t+1's inner steps run on the GPU. Every peer times each inner step and notes whether
 its all-reduce was exchanging parts (its group formed; matchmaking not counted) when the step began
-(``train/step_s_background``, ``train/step_s_alone``: the medians of a round's steps, its first step left out). The figure: for each round that has both kinds of steps, step time with a
-background all-reduce over step time without, in the same round of the same process; the median over the rounds
-after the first, then the median over ``--runs`` runs. As a second reference the same swarm runs without overlap
+(``train/step_s_background``, ``train/step_s_alone``: the medians of a round's steps, its first step left out).
+The figure: for each round that has both kinds of steps, step time with a background all-reduce over step time
+without, in the same round of the same process; the median over the rounds after the first, then the median over
+``--runs`` runs. As a second reference the same swarm runs without overlap
 (the peers average between rounds, nothing runs beside the inner steps): its median step time against the delayed
 run's steps with a background all-reduce.
 
@@ -83,7 +84,8 @@ def main() -> None:
                         f"{none_step:.4f}", f"{m['step_s_background'] / none_step:.3f}",
                         sum(r["rounds_with_both"] for r in delayed)])
     print(f"device {args.device}; preset {args.preset}, {args.batch} x {args.seq_len} tokens per step, vocabulary "
-          f"{args.vocab}; peer0 of 2 peers on the device (its partner slowed down {PARTNER_SLOWDOWN:g}x), H {args.h}, {args.rounds} rounds, median of {args.runs} runs")
+          f"{args.vocab}; peer0 of 2 peers on the device (its partner slowed down {PARTNER_SLOWDOWN:g}x), H {args.h}, "
+          f"{args.rounds} rounds, median of {args.runs} runs")
     print(table(["codec", "all-reduce s", "steps with a background all-reduce", "step s alone (delayed)",
                  "step s with a background all-reduce (delayed)", "with / alone, same rounds",
                  "step s without overlap (none)", "with / none", "rounds with both kinds"], out))

@@ -19,8 +19,10 @@ resumed from an old checkpoint, or was in the minority), its local work δ = θ_
 ``max_staleness`` rounds before the run's round, or the fetched state's history shows that our contribution of that
 round is already in the run's average; then it is dropped. θ_global itself is only ever the run's.
 
-The roster, sync and state transfers live in :mod:`p2p_diloco.net.membership`; θ_global, the outer state and the
-round in :class:`~p2p_diloco.train.global_state.GlobalState`.
+Entering the swarm lives in :mod:`p2p_diloco.net.joining`; the roster, sync and state transfers in
+:mod:`p2p_diloco.net.membership`; θ_global, the outer state and the round in
+:class:`~p2p_diloco.train.global_state.GlobalState`; checkpoints, exports and text samples in
+:mod:`p2p_diloco.ops.outputs`.
 """
 
 from __future__ import annotations
@@ -31,16 +33,16 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from p2p_diloco.config import Config, ConfigError
+from p2p_diloco.config import Config
+from p2p_diloco.net import joining
 from p2p_diloco.net.exchange import Exchange
-from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
-from p2p_diloco.ops.faults import HOLD_FILE, parse_attack, parse_fault
+from p2p_diloco.ops import outputs
+from p2p_diloco.ops.faults import HOLD_FILE, parse_fault
 from p2p_diloco.ops.metrics import MetricsSink, build_sink, throughput_text
 from p2p_diloco.train.global_state import GlobalState
 from p2p_diloco.train.inner import evaluate
@@ -86,7 +88,7 @@ class Peer:
         self.ranks = join_ranks(cfg.run)  # None unless torchrun started this peer as one process per GPU
         self._resolve_auto()
         if self.averager is None:
-            self._open_dht()  # before the model: the run's published settings may complete ours
+            joining.open_dht(self)  # before the model: the run's published settings may complete ours
             cfg = self.cfg
         share_setup(self.name, cfg, self.ranks)  # ranks > 0 take rank 0's name and (completed) config
         training = build_training(cfg, self.name, self.ranks)
@@ -100,8 +102,8 @@ class Peer:
         self.fingerprint = self._fingerprint()
         self.metrics = build_sink(cfg, self.run_dir, self.name)
         if self.averager is None:
-            self._join_swarm()  # stays out of the run until run.join_after_round
-        resumed = self._resume()  # after that wait: a peer restarted in place takes its newest checkpoint
+            joining.join_swarm(self)  # stays out of the run until run.join_after_round
+        resumed = outputs.resume(self)  # after that wait: a peer restarted in place takes its newest checkpoint
         self._ready = True  # our state is this run_dir's: close() may save it
         origin = f" from {cfg.model.init_from}" if cfg.model.init_from else ""
         self.log.info(f"model {count_parameters(self.model) / 1e6:.2f}M params{origin}, fingerprint "
@@ -144,62 +146,6 @@ class Peer:
     def _wire_formats(self) -> str:
         a = self.cfg.averaging
         return a.codec if a.average_codec in (None, a.codec) else f"{a.codec}>{a.average_codec}"  # 16-bit: as before
-
-    def _open_dht(self) -> None:
-        """Join the DHT, find out how we can take part (net/nat.py) and settle our config against the run's
-        published settings (net/run_settings.py)."""
-        from p2p_diloco.net import nat  # hivemind users are imported lazily, for mocked tests
-        from p2p_diloco.net.run_settings import settle
-
-        self._probe = nat.probe(self.cfg.network, self.log)
-        self.dht = self._probe.dht
-        self.cfg = settle(self.cfg, self.dht, self.given, self.log)
-
-    def _join_swarm(self) -> None:
-        from p2p_diloco.net import nat
-        from p2p_diloco.net.averaging import Averager
-        from p2p_diloco.net.dht import run_prefix, visible_maddrs
-        from p2p_diloco.net.membership import Membership
-
-        self.dht, choice, self.relay_issue = nat.decide(self.cfg.network, self._probe, self._payload_bytes())
-        self.log.info(f"reachability: {choice.reason}; taking part as {choice.mode}")
-        prefix = run_prefix(self.cfg.run.run_id, self.fingerprint)
-        self.averager = Averager(self.dht, self.cfg.averaging, prefix, [p.shape for p in self.state.params],
-                                 client_mode=choice.mode == "client", fault=self.fault, access=self._access(),
-                                 weight_by_tokens=self.cfg.diloco.weight_by_tokens,
-                                 attack=parse_attack(self.cfg.fault.attack, self.cfg.fault.attack_from),
-                                 equivocate_from=self.cfg.fault.attack_from if self.cfg.fault.attack == "equivocate"
-                                 else None)
-        self.membership = Membership(self.cfg, self.dht, self.averager, prefix, self.name, self.state,
-                                     self.fingerprint, self.metrics, self.stop_event, self.log,
-                                     reachability=choice.mode)
-        maddrs = visible_maddrs(self.dht)
-        (self.run_dir / "maddrs.txt").write_text("\n".join(maddrs) + "\n")
-        self.log.info(f"joined run {self.cfg.run.run_id!r} as {self.averager.peer_id} (group key prefix "
-                      f"{prefix}); others can join through: {' '.join(maddrs)}")
-        self.membership.wait_for_round(self.cfg.run.join_after_round)
-
-    def _access(self):
-        """A private run's access rules (net/security/auth.py), or None for an open run, said in one line."""
-        from p2p_diloco.net.security.auth import Access
-
-        net = self.cfg.network
-        if net.secret is None and net.secret_file is None:
-            self.log.warning("open run: anyone who can reach a peer may join, upload into the average and download "
-                             "the model (set network.secret_file to make it private)")
-            return None
-        access = Access(net.secret, net.secret_file, self.cfg.run.run_id)
-        access.refresh(self.dht, self.cfg.averaging.request_timeout)
-        self.log.info(f"private run: members only (secret {access.keys.fingerprint}, "
-                      f"{len(access.revoked)} revoked peer(s))")
-        return access
-
-    def _payload_bytes(self) -> int:
-        """Bytes of one pseudo-gradient on the wire."""
-        from p2p_diloco.net.averaging.wire import payload_bytes
-
-        a = self.cfg.averaging
-        return payload_bytes(sum(p.numel() for p in self.state.params), a.codec, a.average_codec)
 
     @property
     def peer_id(self) -> str:
@@ -275,10 +221,10 @@ class Peer:
     def _after_commit(self) -> None:
         """What is due on the new θ_global: a checkpoint, an export, a text sample (each every K rounds)."""
         run = self.cfg.run
-        for every, action in ((run.checkpoint_every, self.save), (run.export_every, self.export),
-                              (run.sample_every, self.sample)):
+        for every, action in ((run.checkpoint_every, outputs.save), (run.export_every, outputs.export),
+                              (run.sample_every, outputs.sample)):
             if every and self.round % every == 0:
-                action()
+                action(self)
 
     def _finished(self, roster) -> bool:
         rounds = self.cfg.run.rounds
@@ -386,66 +332,6 @@ class Peer:
         with self.exchange.global_in_model():
             return evaluate(self.model, self.data.eval_batches, self.device)
 
-    # ------------------------------------------------------------------------------------------------ state
-    def checkpoint_state(self) -> dict:
-        return {**self.state.state_dict(), "name": self.name, "fingerprint": self.fingerprint,
-                "model": self.model.state_dict(), "inner": self.inner.state_dict(),
-                "data": self.data.train.state_dict(), "data_ranks": self.replica.data_states(),
-                "tokens_since_commit": self.tokens_since_commit, "work_round": self.work_round,
-                "tokens_trained": self.tokens_trained, "config": asdict(self.cfg),
-                "error_feedback": self.error_feedback.state_dict() if self.error_feedback is not None else None,
-                "overlap": self.exchange.state_dict()}
-
-    def save(self) -> None:
-        with self.state.lock:
-            save_checkpoint(self.run_dir, self.checkpoint_state())
-
-    def export(self) -> None:
-        """θ_global as a Hugging Face folder, ``run_dir/exports/round-NNNNNN``."""
-        from p2p_diloco.ops.export import export_path, save_hf_folder
-
-        path = export_path(self.run_dir, self.round)
-        with self.exchange.global_in_model():
-            save_hf_folder(self.model, self.cfg, path, info={"round": self.round, "peer": self.name})
-        self.metrics.log({"event": "export", "peer": self.name, "round": self.round, "path": str(path)})
-        self.log.info(f"round {self.round}: θ_global exported to {path}")
-
-    def sample(self) -> None:
-        """A short continuation of ``run.sample_prompt`` by θ_global, as a metrics record (never fails the run)."""
-        from p2p_diloco.ops.generate import SAMPLE_TOKENS, Generator, sample
-
-        prompt = self.cfg.run.sample_prompt
-        try:
-            if self._sampler is None:
-                from p2p_diloco.ops.export import hf_tokenizer
-
-                self._sampler = Generator(self.model, hf_tokenizer(self.cfg, self.cfg.model.seq_len), self.name)
-            with self.exchange.global_in_model():
-                text = sample(self._sampler, prompt, samples=1, max_new_tokens=SAMPLE_TOKENS, seed=0)[0]
-        except Exception as e:  # noqa: BLE001 - a sample is for people watching: it must not stop training
-            self.log.warning(f"round {self.round}: text sample failed: {e!r}")
-            return
-        self.metrics.log({"event": "sample", "peer": self.name, "round": self.round, "prompt": prompt, "text": text})
-
-    def _resume(self) -> bool:
-        saved = load_checkpoint(self.run_dir)
-        if saved is None:
-            return False
-        if saved["fingerprint"] != self.fingerprint:
-            raise ConfigError(f"run.run_dir: {self.run_dir} holds a checkpoint of another model or outer setup "
-                              f"({saved['fingerprint']} != {self.fingerprint}); use another run.run_dir")
-        self.state.load_state_dict(saved)
-        self.model.load_state_dict(saved["model"])
-        self.inner.load_state_dict(saved["inner"])
-        self.data.train.load_state_dict(saved["data"])
-        self.tokens_since_commit = saved["tokens_since_commit"]
-        self.work_round = saved.get("work_round", self.round)  # θ_local's work is relative to the saved θ_global
-        self.tokens_trained = saved.get("tokens_trained", 0)  # absent from checkpoints of earlier versions
-        if saved.get("error_feedback") is not None and self.error_feedback is not None:
-            self.error_feedback.load_state_dict(saved["error_feedback"])
-        self.exchange.load_state_dict(saved.get("overlap"))  # the all-reduce that was in flight counts as failed
-        return True
-
     # ------------------------------------------------------------------------------------------------ close
     def close(self) -> None:
         """Leave gracefully: announce it, stop serving state, save a checkpoint, leave the swarm. Safe to call
@@ -462,7 +348,7 @@ class Peer:
             if self.membership is not None:
                 self.membership.leave()  # others stop counting us and stop waiting for us
             if self._ready and self.cfg.run.checkpoint_every:
-                self.save()
+                outputs.save(self)
         finally:
             if hasattr(self, "replica"):
                 self.replica.close()  # ranks > 0 of a multi-GPU peer stop

@@ -22,6 +22,7 @@ import torch
 
 from conftest import tagged_pids
 from p2p_diloco.config import NetworkConfig, load_config
+from p2p_diloco.ops.checkpoint import CHECKPOINT_NAME as CHECKPOINT
 from p2p_diloco.ops.metrics import read_jsonl
 
 pytestmark = pytest.mark.timeout(300)
@@ -111,8 +112,8 @@ def live_run(tmp_path_factory, module_process_tag) -> LiveRun:
 
 
 def _observe(run: LiveRun, maddr: str, tag: str, done: threading.Event) -> None:
-    """Read the run's view every ~0.5 s until the swarm is done; kill peer2 once all three agree at round >= 1;
-    meanwhile run the status command itself."""
+    """Read the run's view every ~0.5 s until the swarm is done; kill peer2 once all three agree at round >= 1 and
+    it has written a checkpoint; meanwhile run the status command itself."""
     from p2p_diloco.net.dht import start_dht
     from p2p_diloco.ops.status import read_status
 
@@ -127,7 +128,7 @@ def _observe(run: LiveRun, maddr: str, tag: str, done: threading.Event) -> None:
                 cli = threading.Thread(target=_status_cli, args=(run, maddr), daemon=True)
                 cli.start()
             if (run.killed_at is None and len(peers) == 3 and min(p["round"] for p in peers) >= 1
-                    and {p["state"] for p in peers} == {"agrees"}):
+                    and {p["state"] for p in peers} == {"agrees"} and (run.run_dir / "peer2" / CHECKPOINT).is_file()):
                 _kill_group(tag, "peer2")
                 run.killed_at = time.monotonic()
             done.wait(0.5)  # the roster lives in the DHT: there is no event to wait on, so poll
@@ -281,8 +282,12 @@ def test_export_of_an_earlier_round_from_a_checkpoint_or_an_export(live_run, tmp
     from p2p_diloco.config import ConfigError
     from p2p_diloco.ops.export import export_run
 
-    # the killed peer's last checkpoint holds the round it died after; the others exported every 2nd round
-    killed = [r["round"] for r in live_run.records("peer2") if r.get("event") == "round" and r["committed"]][-1]
+    from p2p_diloco.ops.checkpoint import load_checkpoint
+
+    # the killed peer's last checkpoint holds the last round it saved (the kill may land between a commit and its
+    # checkpoint); the others exported every 2nd round
+    killed = load_checkpoint(live_run.run_dir / "peer2")["round"]
+    assert killed in [r["round"] for r in live_run.records("peer2") if r.get("event") == "round" and r["committed"]]
     saved = sorted({killed, *range(2, ROUNDS + 1, 2)})
     for round_ in {2, killed}:
         assert export_run(live_run.run_dir, tmp_path / f"r{round_}", round_) == (round_, tmp_path / f"r{round_}")

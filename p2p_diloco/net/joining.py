@@ -1,0 +1,73 @@
+"""How a peer enters the swarm: the DHT (with our reachability probed and the run's published settings settled
+against ours), then the averager, the membership and the announcement of where others can reach us.
+
+Two steps because the model sits between them: :func:`open_dht` runs before the model is built (the run's settings
+may complete our config), :func:`join_swarm` after (the averager's buffers take the model's shapes). Both set the
+swarm-facing attributes of the :class:`~p2p_diloco.peer.Peer` they are given. hivemind is imported here lazily,
+so that a peer with an injected averager (tests) never loads it.
+"""
+
+from __future__ import annotations
+
+from p2p_diloco.ops.faults import parse_attack
+
+
+def open_dht(peer) -> None:
+    """Join the DHT, find out how we can take part (net/nat.py) and settle our config against the run's
+    published settings (net/run_settings.py)."""
+    from p2p_diloco.net import nat
+    from p2p_diloco.net.run_settings import settle
+
+    peer._probe = nat.probe(peer.cfg.network, peer.log)
+    peer.dht = peer._probe.dht
+    peer.cfg = settle(peer.cfg, peer.dht, peer.given, peer.log)
+
+
+def join_swarm(peer) -> None:
+    """Our reachability decided, the averager and the membership made, our addresses written and said; then wait
+    for ``run.join_after_round``."""
+    from p2p_diloco.net import nat
+    from p2p_diloco.net.averaging import Averager
+    from p2p_diloco.net.dht import run_prefix, visible_maddrs
+    from p2p_diloco.net.membership import Membership
+
+    cfg = peer.cfg
+    peer.dht, choice, peer.relay_issue = nat.decide(cfg.network, peer._probe, payload_bytes(peer))
+    peer.log.info(f"reachability: {choice.reason}; taking part as {choice.mode}")
+    prefix = run_prefix(cfg.run.run_id, peer.fingerprint)
+    peer.averager = Averager(peer.dht, cfg.averaging, prefix, [p.shape for p in peer.state.params],
+                             client_mode=choice.mode == "client", fault=peer.fault, access=access(peer),
+                             weight_by_tokens=cfg.diloco.weight_by_tokens,
+                             attack=parse_attack(cfg.fault.attack, cfg.fault.attack_from),
+                             equivocate_from=cfg.fault.attack_from if cfg.fault.attack == "equivocate" else None)
+    peer.membership = Membership(cfg, peer.dht, peer.averager, prefix, peer.name, peer.state, peer.fingerprint,
+                                 peer.metrics, peer.stop_event, peer.log, reachability=choice.mode)
+    maddrs = visible_maddrs(peer.dht)
+    (peer.run_dir / "maddrs.txt").write_text("\n".join(maddrs) + "\n")
+    peer.log.info(f"joined run {cfg.run.run_id!r} as {peer.averager.peer_id} (group key prefix {prefix}); others "
+                  f"can join through: {' '.join(maddrs)}")
+    peer.membership.wait_for_round(cfg.run.join_after_round)
+
+
+def access(peer):
+    """A private run's access rules (net/security/auth.py), or None for an open run, said in one line."""
+    from p2p_diloco.net.security.auth import Access
+
+    net = peer.cfg.network
+    if net.secret is None and net.secret_file is None:
+        peer.log.warning("open run: anyone who can reach a peer may join, upload into the average and download "
+                         "the model (set network.secret_file to make it private)")
+        return None
+    rules = Access(net.secret, net.secret_file, peer.cfg.run.run_id)
+    rules.refresh(peer.dht, peer.cfg.averaging.request_timeout)
+    peer.log.info(f"private run: members only (secret {rules.keys.fingerprint}, {len(rules.revoked)} revoked "
+                  f"peer(s))")
+    return rules
+
+
+def payload_bytes(peer) -> int:
+    """Bytes of one pseudo-gradient on the wire."""
+    from p2p_diloco.net.averaging.wire import payload_bytes as wire_bytes
+
+    a = peer.cfg.averaging
+    return wire_bytes(sum(p.numel() for p in peer.state.params), a.codec, a.average_codec)
