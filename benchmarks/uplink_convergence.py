@@ -8,7 +8,8 @@ parts, so their values are the swarm's), with the peer's error feedback (the res
 added to its next one) and the peer's overlap bookkeeping (p2p_diloco.train.overlap: the all-reduce of round t is
 committed at the end of round t+1, or with τ = ``diloco.overlap_steps`` after τ inner steps of round t+1, the
 rest of that round's work added when it ends; the last one is committed after the last round, so every variant ends
-at the same tokens). What is not emulated: the order in which a reducer sums contributions, and failures (every round commits).
+at the same tokens). What is not emulated: the order in which a reducer sums contributions, and failures (every
+round commits).
 
 Variants (``--variant``, default all): fp32, scaled_fp16, int8, int4, int4+ef, e3m0, e3m0+ef, int4+ef>int8
 (int4 contributions, averages sent back in int8), and overlap delayed / eager with int4+ef, delayed also settled

@@ -50,6 +50,10 @@ def test_a_round_has_the_fastest_peers_time_budget_so_this_rounds_speed_changes_
     assert slow.more(3, 500.0, 1.0) and not slow.more(4, 500.0, 1.0)  # at least half its plan, even late
     # a plain round (no DyLU): exactly its steps, whatever the clock
     assert RoundPlan(3).more(2, 1e9, 1.0) and not RoundPlan(3).more(3, 0.0, 0.0)
+    # a round that waited 5 s for an average after τ steps (diloco.overlap_steps): its deadline moves by the wait
+    assert slow.postponed(5.0).deadline == 113.0
+    assert slow.postponed(5.0).more(8, 107.5, 2.0) and not slow.more(8, 107.5, 2.0)
+    assert RoundPlan(3).postponed(5.0) == RoundPlan(3)
 
 
 def test_pace_is_the_median_of_recent_rounds_so_one_frozen_round_does_not_dictate():

@@ -125,8 +125,8 @@ def test_delayed_overlap_settled_after_tau_steps_drops_no_work_and_counts_none_t
     """``diloco.overlap_steps``: the all-reduce in flight is settled after τ of the next round's inner steps
     (advance with the τ steps' work, restart), the rest of the round is added at its end with nothing in flight
     (advance with arrived=False). Two workers, a Nesterov outer step, failures anywhere: θ_local moves only by the
-    change of θ_global in place of the contribution it committed, and once the last contribution commits each worker's committed contributions sum to exactly
-    all the work it did."""
+    change of θ_global in place of the contribution it committed, and once the last contribution commits each
+    worker's committed contributions sum to exactly all the work it did."""
     glob = [torch.zeros(s) for s in SHAPES]
     outer = OuterNesterov(glob, 0.7, 0.5)
     locals_ = [[t.clone() for t in glob] for _ in range(2)]

@@ -11,10 +11,10 @@ round t+1's end, so a peer's committed round lags its training by one round.
 
 With ``diloco.overlap_steps`` τ > 0 (delayed only), the inner steps call :meth:`Exchange.settle_due` before each
 step and the all-reduce in flight is settled after τ steps of round t+1 instead (the peer waits there, within the
-same deadlines, if it has not ended): θ_global takes its step and θ_local follows it, keeping the τ steps' work, which
-goes out at round t+1's end with the rest of that round's (overlap.py: its ``advance`` with nothing in flight adds
-the rest). The settled outcome is kept and returned by the round-end :meth:`Exchange.settle`, so the round loop logs
-and reports it where it always does.
+same deadlines, if it has not ended): θ_global takes its step and θ_local follows it, keeping the τ steps' work,
+which goes out at round t+1's end with the rest of that round's (overlap.py: its ``advance`` with nothing in flight
+adds the rest). The settled outcome is kept and returned by the round-end :meth:`Exchange.settle`, so the round
+loop logs and reports it where it always does.
 
 Committing is the same in every mode: if the average is finite, θ_global and the outer state take the outer step
 (bit-identical on every member) and error feedback keeps the residual of the committed contribution. Only θ_local
@@ -83,12 +83,15 @@ class Exchange:
         return self.pending is not None and self.pending.exchanging()
 
     # ------------------------------------------------------------------------------------------------ the round
-    def settle_due(self, steps: int) -> None:
+    def settle_due(self, steps: int) -> float:
         """Before an inner step, ``steps`` done in this round: after τ = ``diloco.overlap_steps`` of them the
-        all-reduce in flight is settled now (waited for, committed if good, θ_local following θ_global)."""
-        if self.pending is not None and steps == self.settle_after > 0:
-            self._early = self.settle()
-            self._early.after_steps = steps
+        all-reduce in flight is settled now (waited for, committed if good, θ_local following θ_global). Returns the
+        seconds it blocked the inner steps (0.0 when nothing was due)."""
+        if self.pending is None or steps != self.settle_after or not steps:
+            return 0.0
+        self._early = self.settle()
+        self._early.after_steps = steps
+        return self._early.waited_s
 
     def settle(self) -> Optional[Settled]:
         """End of a round's inner steps: the all-reduce in flight, waited for (within its deadlines) and committed

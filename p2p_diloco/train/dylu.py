@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 PROBE_STEPS = 3  # a peer with no measurement yet times this many steps (training steps) before planning its round
@@ -90,6 +90,10 @@ class RoundPlan:
     deadline: Optional[float] = None
     least: int = 0
     most: int = 0
+
+    def postponed(self, seconds: float) -> RoundPlan:
+        """The same plan with its deadline (if any) ``seconds`` later: time the round spent waiting, not stepping."""
+        return replace(self, deadline=self.deadline + seconds) if self.deadline is not None and seconds else self
 
     def more(self, done: int, now: float, last_step_s: float) -> bool:
         """Whether to run another step, ``done`` steps in, at time ``now``, the last step having taken
