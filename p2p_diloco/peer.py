@@ -189,7 +189,7 @@ class Peer:
             # (matchmaking and all-reduce, or with overlap what the inner steps did not hide), and the whole round
             # (the rest: pseudo-gradient, outer step); evaluation is not counted
             timing = {"time/sync_s": started - begun + caught_up - inner_done,
-                      "time/inner_s": inner_done - started - (settled.waited_in_steps_s if settled else 0.0),
+                      "time/inner_s": inner_done - started - (settled.paused_s if settled else 0.0),
                       "time/wait_s": settled.waited_s if settled else 0.0, "time/round_s": time.perf_counter() - begun}
             self._end_round(settled, train_loss, tokens, steps, timing)
 

@@ -45,13 +45,9 @@ class Settled:
     committed: bool
     waited_s: float         # how long the round loop was blocked on it
     ended: float            # time.perf_counter() when its result was taken
-    after_steps: Optional[int] = None  # settled after this many inner steps of a round (diloco.overlap_steps; its
-    #                                    wait is then inside the inner phase); None: when the round's steps ended
-
-    @property
-    def waited_in_steps_s(self) -> float:
-        """The part of the inner phase's wall time spent waiting for it (settled after τ steps), else 0."""
-        return self.waited_s if self.after_steps is not None else 0.0
+    after_steps: Optional[int] = None  # settled after this many inner steps of a round (diloco.overlap_steps);
+    #                                    None: when the round's steps ended
+    paused_s: float = 0.0  # settled after τ steps: how long the inner steps paused for it (the wait, the outer step)
 
 
 class Exchange:
@@ -86,12 +82,13 @@ class Exchange:
     def settle_due(self, steps: int) -> float:
         """Before an inner step, ``steps`` done in this round: after τ = ``diloco.overlap_steps`` of them the
         all-reduce in flight is settled now (waited for, committed if good, θ_local following θ_global). Returns the
-        seconds it blocked the inner steps (0.0 when nothing was due)."""
+        seconds the inner steps paused for it: the wait, the outer step, θ_local's move (0.0 when nothing was due)."""
         if self.pending is None or steps != self.settle_after or not steps:
             return 0.0
+        begun = time.perf_counter()
         self._early = self.settle()
-        self._early.after_steps = steps
-        return self._early.waited_s
+        self._early.after_steps, self._early.paused_s = steps, time.perf_counter() - begun
+        return self._early.paused_s
 
     def settle(self) -> Optional[Settled]:
         """End of a round's inner steps: the all-reduce in flight, waited for (within its deadlines) and committed

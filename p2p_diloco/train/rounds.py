@@ -71,8 +71,8 @@ class InnerRounds:
         slowdown = peer.cfg.fault.slowdown
         while not peer.stop_event.is_set() and plan.more(work.steps, time.perf_counter(), work.last_step_s):
             self._inner_fault(work.steps, planned // 2)
-            # diloco.overlap_steps: the last round's all-reduce, settled after τ steps; under DyLU the wait for it
-            # takes no steps from the round (a wait at the round's end does not either)
+            # diloco.overlap_steps: the last round's all-reduce, settled after τ steps; under DyLU the pause for it
+            # (the wait and the outer step) takes no steps from the round (at the round's end it does not either)
             plan = plan.postponed(peer.exchange.settle_due(work.steps))
             background = peer.exchange.averaging  # an all-reduce in the averager's process (overlap)
             t0 = time.perf_counter()
