@@ -23,6 +23,7 @@ seeds and draws eval loss against tokens (median over seeds at each point) to ``
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 
 from common import median, table
@@ -35,17 +36,18 @@ def specs_of(args) -> dict[str, list[Spec]]:
     """Method name -> its spec for every seed."""
     base = Spec(preset=args.preset, corpus=args.corpus, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
                 warmup=args.warmup, lr=args.lr, eval_windows=args.eval_windows, eval_points=args.eval_points,
-                engine=args.engine, codec=args.codec)
+                engine=args.engine, codec=args.codec, device=args.device)
     methods = {f"AdamW / data parallel (batch {args.batch})": Spec(**{**base.__dict__, "peers": 0, "h": 1,
                "outer": "none", "outer_lr": 0.0, "momentum": 0.0, "engine": "local", "codec": None,
                "lr": args.dp_lr or args.lr})}
-    for m in args.peers:
-        lr, momentum = auto_outer(m, args.h)
-        lr = args.outer_lr if args.outer_lr is not None else lr
-        momentum = args.momentum if args.momentum is not None else momentum
-        spec = Spec(**{**base.__dict__, "peers": m, "h": args.h, "outer": "nesterov", "outer_lr": lr,
-                       "momentum": momentum})
-        methods[spec.label()] = spec
+    for h in args.h:
+        for m in args.peers:
+            lr, momentum = auto_outer(m, h)
+            lr = args.outer_lr if args.outer_lr is not None else lr
+            momentum = args.momentum if args.momentum is not None else momentum
+            spec = Spec(**{**base.__dict__, "peers": m, "h": h, "outer": "nesterov", "outer_lr": lr,
+                           "momentum": momentum})
+            methods[spec.label()] = spec
     return {name: [Spec(**{**s.__dict__, "seed": seed}) for seed in args.seeds] for name, s in methods.items()}
 
 
@@ -60,11 +62,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3, help="peak inner AdamW lr (default 2e-3)")
     parser.add_argument("--dp-lr", type=float, default=None, help="AdamW's lr if not --lr")
     parser.add_argument("--peers", type=int, nargs="+", default=[1, 2, 4], help="DiLoCo sizes (default 1 2 4)")
-    parser.add_argument("--h", type=int, default=30, help="inner steps per round (default 30)")
+    parser.add_argument("--h", type=int, nargs="+", default=[30], help="inner steps per round, one DiLoCo run of each "
+                        "size per value (default 30)")
     parser.add_argument("--outer-lr", type=float, default=None, help="outer lr (default: the auto rule)")
     parser.add_argument("--momentum", type=float, default=None, help="outer momentum (default: the auto rule)")
     parser.add_argument("--engine", default="swarm", choices=("swarm", "sim"), help="DiLoCo runs (default swarm)")
     parser.add_argument("--codec", default=None, help="wire codec (swarm default scaled_fp16; sim default exact)")
+    parser.add_argument("--device", default="cpu", help="AdamW and --engine sim: cpu or cuda (bf16 autocast)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (default 0 1 2)")
     parser.add_argument("--eval-windows", type=int, default=512, help="held-out windows (default 512)")
     parser.add_argument("--eval-points", type=int, default=16, help="evaluations along a run (default 16)")
@@ -72,12 +76,22 @@ def main() -> None:
                         ".jsonl)")
     parser.add_argument("--plot", default=None, help="PNG (default benchmarks/convergence-PRESET.png)")
     parser.add_argument("--shard", default="0/1", help="run only every K-th missing run, from the I-th: I/K")
+    parser.add_argument("--jobs", type=int, default=1, help="run the missing runs in this many processes at once "
+                        "(a GPU runs several small models side by side; default 1)")
     args = parser.parse_args()
     out = args.out or f"benchmarks/results/convergence-{args.preset}.jsonl"
     methods = specs_of(args)
     index, count = map(int, args.shard.split("/"))
-    results = run_all([s for specs in methods.values() for s in specs], out, (index, count),
-                      echo=lambda s: print(s, flush=True))
+    specs = [s for specs in methods.values() for s in specs]
+    if args.jobs > 1:  # job j runs shard j of this process's shard's runs
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+        jobs = [context.Process(target=run_all, args=(specs, out, (index + j * count, count * args.jobs)))
+                for j in range(args.jobs)]
+        for job in jobs:
+            job.start()
+        for job in jobs:
+            job.join()
+    results = run_all(specs, out, (index, count), echo=lambda s: print(s, flush=True))
     done = {name: [results[s.key()] for s in specs if s.key() in results] for name, specs in methods.items()}
     print(report(done, args))
     if all(done.values()):

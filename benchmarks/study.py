@@ -17,6 +17,7 @@ a study that is stopped resumes where it was (runs already in the file are skipp
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -33,7 +34,7 @@ from p2p_diloco.train.model import build_model, count_parameters
 from p2p_diloco.train.reference import ReferenceDiLoCo
 
 
-LATER_FIELDS = {"plain_rounds": 0}
+LATER_FIELDS = {"plain_rounds": 0, "device": "cpu"}
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Spec:
     eval_points: int = 16
     extra: tuple = field(default_factory=tuple)  # further ("section.key", value) config overrides
     plain_rounds: int = 0            # sim: rounds of plain averaging before the outer optimizer takes over
+    device: str = "cpu"              # AdamW and sim: where the models train ('cuda': bf16 autocast, see inner.py)
 
     def key(self) -> str:
         fields = asdict(self)
@@ -111,19 +113,21 @@ def _eval_marks(steps: int, every: int, points: int) -> set[int]:
 def _adamw(spec: Spec) -> dict:
     cfg = spec.config()
     data = build_data(cfg.data, cfg.model.seq_len, cfg.inner.batch_size, "peer0")
-    model = build_model(cfg.model, data.vocab_size, cfg.run.seed)
-    trainer = InnerTrainer(model, cfg.inner, torch.device("cpu"), total_steps=spec.steps)
-    curve, tokens, cpu = [(0, evaluate(model, data.eval_batches, torch.device("cpu")))], 0, torch.device("cpu")
+    device = torch.device(spec.device)
+    model = build_model(cfg.model, data.vocab_size, cfg.run.seed).to(device)
+    trainer = InnerTrainer(model, cfg.inner, device, total_steps=spec.steps)
+    curve, tokens = [(0, evaluate(model, data.eval_batches, device))], 0
     marks = _eval_marks(spec.steps, 1, spec.eval_points)
     for step in range(1, spec.steps + 1):
         tokens += trainer.step(data.train.next_batch).tokens
         if step in marks:
-            curve.append((tokens, evaluate(model, data.eval_batches, cpu)))
+            curve.append((tokens, evaluate(model, data.eval_batches, device)))
     return {"curve": curve, "params": count_parameters(model)}
 
 
 def _sim(spec: Spec) -> dict:
-    ref = ReferenceDiLoCo(spec.config(), spec.peers, codec=spec.codec, plain_rounds=spec.plain_rounds)
+    ref = ReferenceDiLoCo(spec.config(), spec.peers, codec=spec.codec, plain_rounds=spec.plain_rounds,
+                          device=spec.device)
     curve = [(0, ref.evaluate())]
     marks = _eval_marks(spec.steps, spec.h, spec.eval_points)
     for r in range(1, spec.steps // spec.h + 1):
@@ -168,7 +172,7 @@ def load_results(path: str | Path) -> dict[str, dict]:
     if not path.is_file():
         return {}
     out = {}
-    for line in path.read_text().splitlines():
+    for line in path.read_text().split("\n")[:-1]:  # a line still being written by another process has no newline
         if line.strip():
             rec = json.loads(line)
             out[Spec(**{**rec["spec"], "extra": tuple(map(tuple, rec["spec"]["extra"]))}).key()] = rec
@@ -188,11 +192,21 @@ def run_all(specs: list[Spec], path: str | Path, shard: tuple[int, int] = (0, 1)
         if spec.key() in load_results(path):  # another shard may have run it meanwhile
             continue
         result = run(spec)
-        with open(path, "a") as f:
-            f.write(json.dumps(result) + "\n")
+        _append_line(path, json.dumps(result))
         echo(f"{spec.label()} lr {spec.lr:g} seed {spec.seed}: final eval {result['final']:.4f} ({result['seconds']:.0f} s)")
     done = load_results(path)
     return {s.key(): done[s.key()] for s in specs if s.key() in done}
+
+
+def _append_line(path: Path, line: str) -> None:
+    """Append ``line`` in one write on an O_APPEND descriptor: processes sharing the file never interleave lines."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        data = (line + "\n").encode()
+        while data:
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
 
 
 def with_(spec: Spec, **changes) -> Spec:

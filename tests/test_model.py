@@ -27,6 +27,11 @@ def test_tiny_builds_fp32_with_the_tokenizer_vocabulary():
     assert torch.isfinite(loss)
 
 
+def test_small_is_the_convergence_studys_few_million_parameters():
+    model = build_model(ModelConfig(name="small", seq_len=128), vocab_size=259, seed=0)
+    assert 3.4e6 < count_parameters(model) < 3.6e6  # BENCHMARKS.md 10e: 3.48M, Chinchilla budget 68.8M tokens
+
+
 def test_60m_builds_with_the_paper_size():
     model = build_model(ModelConfig(name="60m"), vocab_size=DEFAULT_VOCAB_SIZE, seed=0)
     assert 55e6 < count_parameters(model) < 65e6
@@ -86,7 +91,7 @@ def test_hf_config_too_short_context_is_a_config_error(tmp_path):
 
 
 def test_unknown_name_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"model\.name: no preset or config file .*presets: tiny, 60m"):
+    with pytest.raises(ConfigError, match=r"model\.name: no preset or config file .*presets: tiny, small, 60m"):
         build_model(ModelConfig(name=str(tmp_path / "missing")), vocab_size=256, seed=0)
 
 

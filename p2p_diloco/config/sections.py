@@ -13,7 +13,8 @@ from p2p_diloco.config.fields import AUTO, FloatOrAuto, _f, _non_negative, _posi
 @dataclass
 class ModelConfig:
     """The causal language model every peer of a run trains (identical on all peers)."""
-    name: str = _f("tiny", "preset (tiny, 60m, 150m, 400m, 1b) or a path to a Hugging Face config.json or its folder",
+    name: str = _f("tiny", "preset (tiny, small, 60m, 150m, 400m, 1b) or a path to a Hugging Face config.json or "
+                   "its folder",
                    shared=True)
     seq_len: int = _f(128, "sequence length of a training sample", "tokens", _positive, "must be > 0", shared=True)
     init_from: Optional[str] = _f(None, "start from a pretrained Hugging Face checkpoint: a local folder (saved with "

@@ -46,6 +46,9 @@ PRESETS: dict[str, dict] = {
     # CPU demo and tests: ~0.46M parameters with the byte tokenizer; learns visibly within a minute on 2 cores
     "tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=384, max_position_embeddings=1024, tie_word_embeddings=True),
+    # the convergence study's second size: ~3.5M parameters with the byte tokenizer (Chinchilla: ~70M tokens)
+    "small": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
+                  intermediate_size=768, max_position_embeddings=1024, tie_word_embeddings=True),
     # the DiLoCo paper's shapes (Table 1); with a 32k vocabulary: ~58M, ~145M, ~390M parameters
     "60m": _paper_shape(3, 896, 16),
     "150m": _paper_shape(12, 896, 16),

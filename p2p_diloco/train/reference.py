@@ -44,6 +44,7 @@ class ReferenceDiLoCo:
     ``cfg.run.rounds`` and ``cfg.diloco.inner_steps`` set the inner lr schedule as on a peer. ``codec``: None
     averages exactly in fp32; 'fp32', 'fp16' or 'scaled_fp16' round-trip every contribution and the average
     through the wire codec of that name first (net/averaging/wire.py: the all-reduce's precision).
+    ``device``: where the replicas train (θ_global and the outer step stay in fp32 on the CPU, as on a peer).
     ``plain_rounds``: the first rounds average plainly (θ_global ← the mean of the replicas), without the outer step.
     ``combine(parts, weights)``: replaces the weighted mean, per parameter tensor (a robust aggregator, as a reducer
     applies it per part); ``tamper(replica, round, delta)``: changes a replica's pseudo-gradient in place before it is
@@ -51,17 +52,17 @@ class ReferenceDiLoCo:
     """
 
     def __init__(self, cfg: Config, num_peers: int, codec: Optional[str] = None, plain_rounds: int = 0,
-                 combine: Optional[Callable] = None, tamper: Optional[Callable] = None):
+                 combine: Optional[Callable] = None, tamper: Optional[Callable] = None, device: str = "cpu"):
         self.cfg, self.codec, self.plain_rounds = cfg, codec, plain_rounds
         self.combine, self.tamper = combine, tamper
-        self.device = torch.device("cpu")
+        self.device = torch.device(device)
         self.data, readers = replica_data(cfg, num_peers)
         total = schedule_total_steps(cfg.inner, cfg.run.rounds, cfg.diloco.inner_steps)
         self.replicas = []
         for reader in readers:
-            model = build_model(cfg.model, self.data.vocab_size, cfg.run.seed)
+            model = build_model(cfg.model, self.data.vocab_size, cfg.run.seed).to(self.device)
             self.replicas.append((model, InnerTrainer(model, cfg.inner, self.device, total), reader))
-        self.params = [p.detach().clone() for p in self.replicas[0][0].parameters()]
+        self.params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.replicas[0][0].parameters()]
         d = cfg.diloco
         resolve_auto(d, num_peers)
         self.outer = build_outer_optimizer(d.outer_optimizer, self.params, d.outer_lr, d.outer_momentum, d.dn_delay,
