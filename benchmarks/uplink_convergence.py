@@ -48,6 +48,8 @@ VARIANTS = {  # name: (codec, average codec, error feedback, overlap[, overlap_s
     "int4+ef delayed-t2": ("int4", None, True, "delayed", 2),
     "int4+ef delayed-t5": ("int4", None, True, "delayed", 5),
     "int4+ef delayed-t10": ("int4", None, True, "delayed", 10),
+    "int4+ef delayed-t20": ("int4", None, True, "delayed", 20),
+    "int4+ef delayed-t30": ("int4", None, True, "delayed", 30),
     "int4": ("int4", None, False, "none"),
     "int8": ("int8", None, False, "none"),
     "scaled_fp16": ("scaled_fp16", None, False, "none"),
