@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -14,6 +15,29 @@ import uuid
 import pytest
 
 TAG_VAR = "P2P_DILOCO_TEST_TAG"
+HIVEMIND_SOCKET_DIR = "/tmp"  # hivemind 1.1.12 puts p2pd's control sockets there whatever TMPDIR says
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_tmpdir():
+    """One temporary folder for the processes the suite starts, removed at the end.
+
+    Processes that a test kills on purpose (peers, their DHT and averager processes, torchrun workers) cannot remove
+    their own temporary folders (multiprocessing's ``pymp-*``, torchrun's ``torchelastic_*``); with TMPDIR pointing
+    here they leave them in this folder instead of in /tmp. The pytest process keeps its own temporary folder (it is
+    cached before TMPDIR changes): it exits normally and removes what it made, after this fixture has run."""
+    tempfile.gettempdir()  # fixes this process's folder before TMPDIR changes
+    path = tempfile.mkdtemp(prefix="p2pt-")  # short: Unix socket paths under it stay well under 108
+    saved_env = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = path
+    try:
+        yield path
+    finally:
+        if saved_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_env
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def tagged_pids(tag: str) -> list[int]:
@@ -60,7 +84,7 @@ def module_process_tag():
 def none_left(tag: str):
     """On exit, wait briefly for processes tagged ``tag`` to end, end the leftovers by PID, remove the p2pd
     sockets they left, and fail if there were any (cleaning up also when the block raised)."""
-    socks_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "hivemind-*.sock")))
+    socks_before = set(glob.glob(os.path.join(HIVEMIND_SOCKET_DIR, "hivemind-*.sock")))
     try:
         yield
     finally:
@@ -81,7 +105,7 @@ def _end_leftovers(tag: str, socks_before: set[str]) -> dict[int, str]:
     # p2pd's control sockets of processes that were killed hard stay behind: remove the new ones that nobody has
     # bound any more (another test run, on this machine at the same time, may be using its own)
     in_use = bound_unix_paths()
-    for sock in set(glob.glob(os.path.join(tempfile.gettempdir(), "hivemind-*.sock"))) - socks_before - in_use:
+    for sock in set(glob.glob(os.path.join(HIVEMIND_SOCKET_DIR, "hivemind-*.sock"))) - socks_before - in_use:
         try:
             os.unlink(sock)
         except OSError:

@@ -4,6 +4,7 @@ validators refuse a record written in the other's name (net/security/records.py)
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import asdict
 
 import pytest
@@ -81,13 +82,14 @@ def test_dht_nodes_refuse_records_in_another_peers_name(rsa_identity, tmp_path, 
     from p2p_diloco.net.consensus import PeerStatus
     from p2p_diloco.net.dht import publish_status, read_roster, roster_key, start_dht
 
-    before = set(os.listdir("/tmp"))
+    before = set(os.listdir(tempfile.gettempdir()))  # where the key file is written
     a = start_dht(NetworkConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(rsa_identity[2])))
     b = start_dht(NetworkConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                 initial_peers=[str(m) for m in a.get_visible_maddrs()]))
     try:
         assert a.peer_id.to_base58() == rsa_identity[1] and b.peer_id.to_base58().startswith("12D3KooW")
-        assert not [n for n in set(os.listdir("/tmp")) - before if n.startswith("p2p-diloco-id-")], "key file left"
+        left = set(os.listdir(tempfile.gettempdir())) - before
+        assert not [n for n in left if n.startswith("p2p-diloco-id-")], "key file left"
         ids = {"a": a.peer_id.to_base58(), "b": b.peer_id.to_base58()}
         for name, dht in (("a", a), ("b", b)):
             assert publish_status(dht, "run_x", PeerStatus(name=name, peer_id=ids[name], round=3, digest="d"),
