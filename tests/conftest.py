@@ -28,15 +28,11 @@ def suite_tmpdir():
     cached before TMPDIR changes): it exits normally and removes what it made, after this fixture has run."""
     tempfile.gettempdir()  # fixes this process's folder before TMPDIR changes
     path = tempfile.mkdtemp(prefix="p2pt-")  # short: Unix socket paths under it stay well under 108
-    saved_env = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = path
     try:
-        yield path
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TMPDIR", path)
+            yield path
     finally:
-        if saved_env is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved_env
         shutil.rmtree(path, ignore_errors=True)
 
 
