@@ -11,7 +11,8 @@ per parameter of the tiny preset, i.e. Chinchilla's 20):
     peers with batch/M sequences each and ``--steps`` inner steps each, H inner steps per round, pseudo-gradients
     all-reduced in 16 bits, outer optimizer from the defaults (``diloco.outer_lr = auto``) unless given.
 
-Inner lr: ``--lr`` for every method unless ``--dp-lr`` is given for AdamW (the study tuned both; BENCHMARKS.md §4).
+Inner lr: ``--lr`` for every method unless ``--dp-lr`` is given for AdamW and ``--lr-for M:LR`` for DiLoCo M (each
+method at its own tuned lr, as the scaling-laws protocol tunes it; BENCHMARKS.md §4, 10f).
 Every run is evaluated on the same ``--eval-windows`` held-out windows of the ``--corpus``. Results are appended to
 ``--out`` as each run ends (a stopped study resumes). Prints a Markdown table of the median final eval loss over the
 seeds and draws eval loss against tokens (median over seeds at each point) to ``--plot``. Run:
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import statistics
+import sys
 
 from common import median, table
 from study import Spec, run_all
@@ -37,17 +39,19 @@ def specs_of(args) -> dict[str, list[Spec]]:
     base = Spec(preset=args.preset, corpus=args.corpus, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
                 warmup=args.warmup, lr=args.lr, eval_windows=args.eval_windows, eval_points=args.eval_points,
                 engine=args.engine, codec=args.codec, device=args.device)
-    methods = {f"AdamW / data parallel (batch {args.batch})": Spec(**{**base.__dict__, "peers": 0, "h": 1,
-               "outer": "none", "outer_lr": 0.0, "momentum": 0.0, "engine": "local", "codec": None,
-               "lr": args.dp_lr or args.lr})}
+    inner_lr = {int(m): float(lr) for m, lr in (item.split(":") for item in args.lr_for)}  # checked in main
+    named = bool(args.dp_lr or inner_lr)  # methods at different inner lrs: say each one's in its name
+    dp = Spec(**{**base.__dict__, "peers": 0, "h": 1, "outer": "none", "outer_lr": 0.0, "momentum": 0.0,
+                 "engine": "local", "codec": None, "lr": args.dp_lr or args.lr})
+    methods = {dp.label() + (f" lr {dp.lr:g}" if named else ""): dp}
     for h in args.h:
         for m in args.peers:
             lr, momentum = auto_outer(m, h)
             lr = args.outer_lr if args.outer_lr is not None else lr
             momentum = args.momentum if args.momentum is not None else momentum
             spec = Spec(**{**base.__dict__, "peers": m, "h": h, "outer": "nesterov", "outer_lr": lr,
-                           "momentum": momentum})
-            methods[spec.label()] = spec
+                           "momentum": momentum, "lr": inner_lr.get(m, args.lr)})
+            methods[spec.label() + (f" lr {spec.lr:g}" if named else "")] = spec
     return {name: [Spec(**{**s.__dict__, "seed": seed}) for seed in args.seeds] for name, s in methods.items()}
 
 
@@ -61,6 +65,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=100, help="inner lr warm-up steps (default 100)")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak inner AdamW lr (default 2e-3)")
     parser.add_argument("--dp-lr", type=float, default=None, help="AdamW's lr if not --lr")
+    parser.add_argument("--lr-for", nargs="+", default=[], metavar="M:LR", help="DiLoCo M's inner lr if not --lr "
+                        "(each method at its own tuned lr, e.g. --lr-for 1:2.8e-3)")
     parser.add_argument("--peers", type=int, nargs="+", default=[1, 2, 4], help="DiLoCo sizes (default 1 2 4)")
     parser.add_argument("--h", type=int, nargs="+", default=[30], help="inner steps per round, one DiLoCo run of each "
                         "size per value (default 30)")
@@ -79,6 +85,14 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="run the missing runs in this many processes at once "
                         "(a GPU runs several small models side by side; default 1)")
     args = parser.parse_args()
+    for item in args.lr_for:
+        m, _, lr = item.partition(":")
+        try:
+            if int(m) not in args.peers or float(lr) <= 0:
+                raise ValueError
+        except ValueError:
+            print(f"convergence.py: --lr-for {item}: want M:LR with M one of --peers and LR > 0", file=sys.stderr)
+            raise SystemExit(2)
     out = args.out or f"benchmarks/results/convergence-{args.preset}.jsonl"
     methods = specs_of(args)
     index, count = map(int, args.shard.split("/"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -41,3 +42,37 @@ def test_jobs_run_every_missing_run_once(tmp_path):
     keys = [Spec(**{**json.loads(line)["spec"], "extra": ()}).key() for line in lines]
     assert len(lines) == 6 and len(set(keys)) == 6  # data parallel, M 1 and M 2, for 2 seeds: each exactly once
     assert (tmp_path / "plot.png").is_file() and "DiLoCo M=2 H=2" in proc.stdout
+
+
+def _study_args(**given):
+    args = dict(preset="tiny", corpus="stdlib", steps=600, batch=128, seq_len=128, warmup=25, lr=2e-3, dp_lr=None,
+                lr_for=[], peers=[1, 4], h=[10], outer_lr=None, momentum=None, engine="sim", codec=None,
+                device="cpu", seeds=[0, 1], eval_windows=512, eval_points=16)
+    return argparse.Namespace(**{**args, **given})
+
+
+def test_each_method_at_its_own_inner_lr():
+    """``--dp-lr`` and ``--lr-for M:LR`` give each method its tuned lr; the others keep ``--lr``, and the table names
+    each method's lr only when they differ."""
+    from convergence import specs_of
+
+    methods = specs_of(_study_args(dp_lr=2.8e-3, lr_for=["1:2.8e-3"]))
+    lrs = {name: {s.lr for s in specs} for name, specs in methods.items()}
+    assert lrs == {"AdamW / data parallel (batch 128) lr 0.0028": {2.8e-3},
+                   "DiLoCo M=1 H=10 nesterov 0.5/0.5 lr 0.0028": {2.8e-3},
+                   "DiLoCo M=4 H=10 nesterov 0.5/0.5 lr 0.002": {2e-3}}
+    plain = specs_of(_study_args())
+    assert {s.lr for specs in plain.values() for s in specs} == {2e-3} and "DiLoCo M=4 H=10 nesterov 0.5/0.5" in plain
+    # a run keeps its results key whatever the table calls it: the same spec as before --lr-for existed
+    before = plain["DiLoCo M=4 H=10 nesterov 0.5/0.5"][0]
+    assert methods["DiLoCo M=4 H=10 nesterov 0.5/0.5 lr 0.002"][0].key() == before.key()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("item", ["3:1e-3", "1:abc"])
+def test_a_bad_lr_for_is_one_line_and_exit_2(item, tmp_path):
+    out = tmp_path / "study.jsonl"
+    proc = subprocess.run([sys.executable, "convergence.py", "--peers", "1", "4", "--lr-for", item, "--out", str(out)],
+                          cwd=BENCHMARKS, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "--lr-for" in proc.stderr
+    assert not out.exists()  # nothing ran
