@@ -39,8 +39,7 @@ def specs_of(args) -> dict[str, list[Spec]]:
     base = Spec(preset=args.preset, corpus=args.corpus, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
                 warmup=args.warmup, lr=args.lr, eval_windows=args.eval_windows, eval_points=args.eval_points,
                 engine=args.engine, codec=args.codec, device=args.device)
-    inner_lr = {int(m): float(lr) for m, lr in (item.split(":") for item in args.lr_for)}  # checked in main
-    named = bool(args.dp_lr or inner_lr)  # methods at different inner lrs: say each one's in its name
+    named = bool(args.dp_lr or args.lr_for)  # methods at different inner lrs: say each one's in its name
     dp = Spec(**{**base.__dict__, "peers": 0, "h": 1, "outer": "none", "outer_lr": 0.0, "momentum": 0.0,
                  "engine": "local", "codec": None, "lr": args.dp_lr or args.lr})
     methods = {dp.label() + (f" lr {dp.lr:g}" if named else ""): dp}
@@ -50,7 +49,7 @@ def specs_of(args) -> dict[str, list[Spec]]:
             lr = args.outer_lr if args.outer_lr is not None else lr
             momentum = args.momentum if args.momentum is not None else momentum
             spec = Spec(**{**base.__dict__, "peers": m, "h": h, "outer": "nesterov", "outer_lr": lr,
-                           "momentum": momentum, "lr": inner_lr.get(m, args.lr)})
+                           "momentum": momentum, "lr": args.lr_for.get(m, args.lr)})
             methods[spec.label() + (f" lr {spec.lr:g}" if named else "")] = spec
     return {name: [Spec(**{**s.__dict__, "seed": seed}) for seed in args.seeds] for name, s in methods.items()}
 
@@ -85,14 +84,17 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="run the missing runs in this many processes at once "
                         "(a GPU runs several small models side by side; default 1)")
     args = parser.parse_args()
+    lr_for = {}  # --lr-for M:LR ... -> {M: LR}
     for item in args.lr_for:
         m, _, lr = item.partition(":")
         try:
+            lr_for[int(m)] = float(lr)
             if int(m) not in args.peers or float(lr) <= 0:
                 raise ValueError
         except ValueError:
             print(f"convergence.py: --lr-for {item}: want M:LR with M one of --peers and LR > 0", file=sys.stderr)
             raise SystemExit(2)
+    args.lr_for = lr_for
     out = args.out or f"benchmarks/results/convergence-{args.preset}.jsonl"
     methods = specs_of(args)
     index, count = map(int, args.shard.split("/"))

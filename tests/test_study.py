@@ -46,7 +46,7 @@ def test_jobs_run_every_missing_run_once(tmp_path):
 
 def _study_args(**given):
     args = dict(preset="tiny", corpus="stdlib", steps=600, batch=128, seq_len=128, warmup=25, lr=2e-3, dp_lr=None,
-                lr_for=[], peers=[1, 4], h=[10], outer_lr=None, momentum=None, engine="sim", codec=None,
+                lr_for={}, peers=[1, 4], h=[10], outer_lr=None, momentum=None, engine="sim", codec=None,
                 device="cpu", seeds=[0, 1], eval_windows=512, eval_points=16)
     return argparse.Namespace(**{**args, **given})
 
@@ -56,7 +56,7 @@ def test_each_method_at_its_own_inner_lr():
     each method's lr only when they differ."""
     from convergence import specs_of
 
-    methods = specs_of(_study_args(dp_lr=2.8e-3, lr_for=["1:2.8e-3"]))
+    methods = specs_of(_study_args(dp_lr=2.8e-3, lr_for={1: 2.8e-3}))
     lrs = {name: {s.lr for s in specs} for name, specs in methods.items()}
     assert lrs == {"AdamW / data parallel (batch 128) lr 0.0028": {2.8e-3},
                    "DiLoCo M=1 H=10 nesterov 0.5/0.5 lr 0.0028": {2.8e-3},
