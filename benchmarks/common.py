@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -26,10 +27,12 @@ def swarm_records(num_peers: int, rounds: int, inner_steps: int, cfg: Config, ta
     rc = run_swarm(num_peers, rounds, inner_steps, str(run_dir), write_peer_config(run_dir, cfg), timeout=timeout,
                    slowdowns=slowdowns, echo=lambda s: None)
     summary = json.loads((run_dir / "summary.json").read_text())
-    if rc != 0 or len(summary["rounds"]) < rounds:
+    if rc != 0 or len(summary["rounds"]) < rounds:  # the run's folder stays, to read why
         raise RuntimeError(f"swarm {tag} failed (exit {rc}, {len(summary['rounds'])} of {rounds} rounds): {run_dir}")
-    return {p.name: read_jsonl(p / "metrics.jsonl") for p in sorted(run_dir.iterdir())
-            if (p / "metrics.jsonl").is_file()}
+    records = {p.name: read_jsonl(p / "metrics.jsonl") for p in sorted(run_dir.iterdir())
+               if (p / "metrics.jsonl").is_file()}
+    shutil.rmtree(run_dir)
+    return records
 
 
 def rounds_of(records: list[dict]) -> list[dict]:

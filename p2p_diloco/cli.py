@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -50,7 +52,13 @@ def _exit_now(code: int) -> None:
     """End a peer process without the interpreter's teardown. Peer.close() has saved and fsynced the checkpoint,
     closed the metrics and shut the DHT and averager down; what is left is garbage collection over the objects of
     torch, transformers and hivemind, which took 5 s on an idle 2-core machine and over 30 s on a busy one, so that
-    a stopped peer lingered (and a restarted one waited) for that long."""
+    a stopped peer lingered (and a restarted one waited) for that long.
+
+    The one piece of that teardown kept: multiprocessing's temporary folder (``pymp-*``, where torch passes shared
+    tensors to the averager's process), which it removes at a normal exit and would otherwise stay in /tmp."""
+    tempdir = multiprocessing.current_process()._config.get("tempdir")  # the folder util.get_temp_dir() made
+    if tempdir:
+        shutil.rmtree(tempdir, ignore_errors=True)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import signal
 import subprocess
 import sys
 
 import pytest
 
+from conftest import HIVEMIND_SOCKET_DIR, bound_unix_paths
 from p2p_diloco.ops.metrics import read_jsonl
 
 
@@ -28,6 +31,8 @@ def _assert_rounds_agree(summary, rounds, group_size):
 
 @pytest.mark.timeout(300)
 def test_three_peers_agree_after_every_round_learn_and_leave_nothing(tmp_path, process_tag):
+    socks_before = set(glob.glob(os.path.join(HIVEMIND_SOCKET_DIR, "hivemind-*.sock")))
+    pymp_before = set(glob.glob(os.path.join(os.environ["TMPDIR"], "pymp-*")))  # the suite's (conftest)
     out = _swarm(tmp_path, "--peers", "3", "--rounds", "3", "--inner-steps", "15", "--no-report")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -37,7 +42,11 @@ def test_three_peers_agree_after_every_round_learn_and_leave_nothing(tmp_path, p
     assert sorted(p["name"] for p in summary["peers"]) == ["peer0", "peer1", "peer2"]
     assert all(p["rounds_completed"] == 3 and p["peer_id"] for p in summary["peers"])
     assert "equal" in out.stdout and "DIFFER" not in out.stdout  # the per-round table
-    # process_tag's teardown asserts that no peer, DHT, averager or p2pd process is left
+    # process_tag's teardown asserts that no peer, DHT, averager or p2pd process is left; and peers that stopped
+    # normally leave no file either: no p2pd client socket in /tmp, no multiprocessing folder in TMPDIR
+    left = set(glob.glob(os.path.join(HIVEMIND_SOCKET_DIR, "hivemind-*.sock"))) - socks_before - bound_unix_paths()
+    assert not left, f"sockets left in {HIVEMIND_SOCKET_DIR}: {sorted(left)}"
+    assert set(glob.glob(os.path.join(os.environ["TMPDIR"], "pymp-*"))) <= pymp_before, "multiprocessing folders left"
 
 
 @pytest.mark.timeout(300)

@@ -90,6 +90,16 @@ class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
         become_child_process()
         super().run()
 
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        """hivemind 1.1.12 ends the averager's process without closing its client of the DHT's p2pd, which leaves
+        that client's socket (/tmp/hivemind-p2pclient-*.sock) behind after every run: close it too. Only the
+        client: the daemon belongs to the DHT's process."""
+        try:
+            await super()._shutdown(timeout)
+        finally:
+            if getattr(self, "_p2p", None) is not None:
+                await self._p2p.shutdown()
+
     async def _aggregate_with_group(self, group_info, min_vector_size: int, weight: float, **kwargs):
         self._verify_until = time.monotonic() + self._allreduce_timeout - 1.0  # inside the step's own deadline
         verification, error = None, None
