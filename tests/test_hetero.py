@@ -25,7 +25,7 @@ def test_dylu_and_late_peers_rebase_while_every_round_agrees(tmp_path, process_t
     # at launch, resumes from that checkpoint (a restart)
     plan = ChaosPlan(faults={"peer2": "stall:inner:2", "peer3": "term:inner:2"},
                      actions=[(4, "restart", "peer3"), (4, "cont", "peer2")])
-    rc = run_swarm(4, ROUNDS, 20, str(tmp_path), write_peer_config(tmp_path, cfg), plan=plan, slowdowns=[1, 3],
+    rc = run_swarm(4, ROUNDS, 20, str(tmp_path), write_peer_config(tmp_path, cfg), plan=plan, slowdowns=[1, 4],
                    timeout=360, echo=lambda s: None)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert rc == 0, _diagnose(tmp_path, summary)
@@ -34,11 +34,13 @@ def test_dylu_and_late_peers_rebase_while_every_round_agrees(tmp_path, process_t
         assert len(set(r["global_params_sha256"].values())) == 1, f"round {r['round']} differs: {r}"
 
     rounds = {name: _rounds(tmp_path, name) for name in ("peer0", "peer1", "peer2", "peer3")}
-    # DyLU: the 3x slower peer runs fewer inner steps, and both commit every round until the late peers come back
+    # DyLU: the 4x slower peer runs fewer inner steps, and both commit every round until the late peers come back
     # (then a group may close before the slow peer arrives: it rebases and rejoins like them)
     assert all(n in rounds["peer0"] and n in rounds["peer1"] for n in range(1, 5)), (rounds["peer0"], rounds["peer1"])
     # (DyLU's plan H_i from the measured speeds, over rounds 2-4 together; the steps a peer actually runs also follow
-    # the round's time budget, which CPU contention among the test's processes on 2 cores can stretch or cut)
+    # the round's time budget, which CPU contention among the test's processes on 2 cores can stretch or cut. At 3x
+    # one CI run planned 0.78 of the fast peer's steps for the slow one, where 1/3 is expected (the cause, contention
+    # falling unevenly on the two, was not confirmed): at 4x, 0.25 is expected against the 0.7 asserted)
     planned = {name: [rounds[name][n]["train/planned_steps"] for n in range(2, 5)] for name in ("peer0", "peer1")}
     assert sum(planned["peer1"]) < 0.7 * sum(planned["peer0"]), f"planned steps per round (fast, slow): {planned}"
     # the frozen and the restarted peer kept their work: rebased, then contributed it and committed with the run
