@@ -76,3 +76,23 @@ def test_a_bad_lr_for_is_one_line_and_exit_2(item, tmp_path):
                           cwd=BENCHMARKS, capture_output=True, text=True, timeout=50)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "--lr-for" in proc.stderr
     assert not out.exists()  # nothing ran
+
+
+@pytest.mark.timeout(240)
+def test_the_swarm_engine_measures_what_the_reference_computes(tmp_path, process_tag):
+    """``--engine swarm`` (real peer processes, BENCHMARKS 10g) and ``--engine sim`` (the in-process reference the
+    study's tables mostly come from) give the same eval losses along the run when the swarm sends fp32; the swarm's
+    record also says that every round averaged every peer."""
+    out = tmp_path / "study.jsonl"
+    common = [sys.executable, "convergence.py", "--batch", "4", "--steps", "10", "--warmup", "1", "--seeds", "0",
+              "--peers", "2", "--h", "5", "--eval-windows", "8", "--eval-points", "2", "--out", str(out),
+              "--plot", str(tmp_path / "plot.png")]
+    for engine in (["--engine", "sim"], ["--engine", "swarm", "--codec", "fp32"]):
+        proc = subprocess.run(common + engine, cwd=BENCHMARKS, capture_output=True, text=True, timeout=200)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = {json.loads(line)["spec"].get("engine"): json.loads(line) for line in out.read_text().splitlines()}
+    sim, swarm = runs["sim"], runs["swarm"]
+    assert [t for t, _ in swarm["curve"]] == [t for t, _ in sim["curve"]] == [0, 2560, 5120]
+    assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(swarm["curve"], sim["curve"])), (swarm["curve"], sim["curve"])
+    assert swarm["curve"][-1][1] < swarm["curve"][0][1] - 1.0  # it learned
+    assert swarm["min_group"] == 2 and swarm["failed_rounds"] == 0 and swarm["bytes_sent_per_peer"] > 0
