@@ -151,7 +151,9 @@ def plot(done: dict[str, list[dict]], path: str, args) -> None:
     ax.set_ylabel("held-out loss (nats/byte)")
     params = next(iter(done.values()))[0]["params"]
     seeds = f"median of {len(args.seeds)} seeds" if len(args.seeds) > 1 else f"seed {args.seeds[0]}"
-    ax.set_title(f"{args.preset} ({params / 1e6:.2f}M parameters), {args.corpus} corpus, {seeds}", fontsize=10)
+    engine = "DiLoCo in real local swarms" if args.engine == "swarm" else "DiLoCo in the in-process reference"
+    ax.set_title(f"{args.preset} ({params / 1e6:.2f}M parameters), {args.corpus} corpus, {seeds}, {engine}",
+                 fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
