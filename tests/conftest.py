@@ -80,7 +80,7 @@ def module_process_tag():
 def none_left(tag: str):
     """On exit, wait briefly for processes tagged ``tag`` to end, end the leftovers by PID, remove the p2pd
     sockets they left, and fail if there were any (cleaning up also when the block raised)."""
-    socks_before = set(glob.glob(os.path.join(HIVEMIND_SOCKET_DIR, "hivemind-*.sock")))
+    socks_before = hivemind_sockets()
     try:
         yield
     finally:
@@ -100,13 +100,22 @@ def _end_leftovers(tag: str, socks_before: set[str]) -> dict[int, str]:
             pass
     # p2pd's control sockets of processes that were killed hard stay behind: remove the new ones that nobody has
     # bound any more (another test run, on this machine at the same time, may be using its own)
-    in_use = bound_unix_paths()
-    for sock in set(glob.glob(os.path.join(HIVEMIND_SOCKET_DIR, "hivemind-*.sock"))) - socks_before - in_use:
+    for sock in sockets_left(socks_before):
         try:
             os.unlink(sock)
         except OSError:
             pass
     return described
+
+
+def hivemind_sockets() -> set[str]:
+    """The p2pd daemon and client sockets in hivemind's folder now."""
+    return set(glob.glob(os.path.join(HIVEMIND_SOCKET_DIR, "hivemind-*.sock")))
+
+
+def sockets_left(before: set[str]) -> set[str]:
+    """Sockets that appeared since ``before`` and that no live process has bound (left behind)."""
+    return hivemind_sockets() - before - bound_unix_paths()
 
 
 def bound_unix_paths() -> set[str]:

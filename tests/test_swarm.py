@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
+from conftest import HIVEMIND_SOCKET_DIR, hivemind_sockets, sockets_left
 
-from conftest import HIVEMIND_SOCKET_DIR, bound_unix_paths
 from p2p_diloco.ops.metrics import read_jsonl
 
 
@@ -31,7 +31,7 @@ def _assert_rounds_agree(summary, rounds, group_size):
 
 @pytest.mark.timeout(300)
 def test_three_peers_agree_after_every_round_learn_and_leave_nothing(tmp_path, process_tag):
-    socks_before = set(glob.glob(os.path.join(HIVEMIND_SOCKET_DIR, "hivemind-*.sock")))
+    socks_before = hivemind_sockets()
     pymp_before = set(glob.glob(os.path.join(os.environ["TMPDIR"], "pymp-*")))  # the suite's (conftest)
     out = _swarm(tmp_path, "--peers", "3", "--rounds", "3", "--inner-steps", "15", "--no-report")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -44,7 +44,7 @@ def test_three_peers_agree_after_every_round_learn_and_leave_nothing(tmp_path, p
     assert "equal" in out.stdout and "DIFFER" not in out.stdout  # the per-round table
     # process_tag's teardown asserts that no peer, DHT, averager or p2pd process is left; and peers that stopped
     # normally leave no file either: no p2pd client socket in /tmp, no multiprocessing folder in TMPDIR
-    left = set(glob.glob(os.path.join(HIVEMIND_SOCKET_DIR, "hivemind-*.sock"))) - socks_before - bound_unix_paths()
+    left = sockets_left(socks_before)
     assert not left, f"sockets left in {HIVEMIND_SOCKET_DIR}: {sorted(left)}"
     assert set(glob.glob(os.path.join(os.environ["TMPDIR"], "pymp-*"))) <= pymp_before, "multiprocessing folders left"
 
