@@ -27,6 +27,7 @@ SMALL = {"inner.batch_size": 4, "model.seq_len": 32, "data.eval_batches": 1, "ru
          "averaging.matchmaking_time": 4.0, "averaging.request_timeout": 2.0, "averaging.next_chunk_timeout": 6.0,
          "averaging.roster_ttl": 6.0}
 LISTEN = "--network.host_maddrs=/ip4/0.0.0.0/tcp/31337"
+REJOIN_ROUND = 8  # the router-failure test: home0 and home1 wait for home2 halfway through this round
 
 
 class LabSwarm:
@@ -78,6 +79,13 @@ def _wait(condition, timeout: float, what: str, swarm: LabSwarm) -> None:
         time.sleep(0.5)  # peers report through their metrics files: poll them
 
 
+def _records_of(run_dir: Path, name: str) -> str:
+    """A peer's rounds, repairs and joins, one line each, for a failure's message."""
+    records = read_jsonl(run_dir / name / "metrics.jsonl")
+    return "\n".join(f"{r['event']} {r['round']} committed={r.get('committed')} {r.get('error') or ''}"
+                     for r in records if r.get("event") in ("round", "repair", "join"))
+
+
 def _held_states(run_dir: Path, names) -> dict[int, dict[str, str]]:
     """round -> {peer: digest of the θ_global it held at that round}, from its commits and the states it fetched
     (a repair, or catching up), later records winning."""
@@ -100,7 +108,8 @@ def test_home_peers_behind_nat_train_survive_a_router_failure_and_continue_throu
     """(a) a public peer and three homes behind three NATs train with equal θ_global digests; (d) reachability=auto
     finds the public peer public and the homes unreachable but relayed; (c) home2's router goes down while its
     all-reduce is in flight: the others commit nothing that round, carry on and agree; when its router is back,
-    home2 repairs itself from them; (b) the public peer leaves: the homes train on through the bootstrap's relay.
+    home2 repairs itself from them (they wait for it in round 8) and finishes the run with them; (b) the public peer
+    leaves: the homes train on through the bootstrap's relay.
     Meanwhile ``p2p-diloco doctor``, run from a fourth home, reports what it finds, one verdict per line."""
     rounds = 12
     doctor = None
@@ -109,8 +118,8 @@ def test_home_peers_behind_nat_train_survive_a_router_failure_and_continue_throu
         try:
             swarm.start_bootstrap()
             swarm.start_peer("pub0", home=False)
-            for name in ("home0", "home1"):
-                swarm.start_peer(name, home=True)
+            for name in ("home0", "home1"):  # they wait for home2 halfway through round 8 (see below)
+                swarm.start_peer(name, f"--fault.inject=hold:inner:{REJOIN_ROUND}", home=True)
             swarm.start_peer("home2", "--fault.inject=hold:allreduce:4", home=True)
             doctor = _start_doctor(net, swarm.initial_peer, tmp_path)
             hold = tmp_path / "home2" / HOLD_FILE
@@ -120,6 +129,15 @@ def test_home_peers_behind_nat_train_survive_a_router_failure_and_continue_throu
             _wait(lambda: not all(r["committed"] for r in swarm.records("pub0")), 60, "the failed round", swarm)
             net.router_up("home2")
             swarm.swarm.peers["pub0"].proc.send_signal(signal.SIGTERM)  # leaves after the round under way
+            # Rounds here last under a second, and home2 needs seconds to find its neighbours again: unheld, the others
+            # can end the run before it is back. So they wait, mid-training of round 8, until home2 holds round 7's
+            # θ_global (repaired from them, or committed with them); then all three train round 8 on.
+            holds = [tmp_path / name / HOLD_FILE for name in ("home0", "home1")]
+            _wait(lambda: all(h.exists() for h in holds), 120, f"home0 and home1 to reach round {REJOIN_ROUND}", swarm)
+            _wait(lambda: max(_held_states(tmp_path, ("home2",)), default=0) >= REJOIN_ROUND - 1, 120,
+                  "home2 to repair itself from the others", swarm)
+            for h in holds:
+                h.unlink()
             _wait(lambda: not any(swarm.running(n) for n in ("home0", "home1", "home2")), 150, "the homes", swarm)
             committed = swarm.committed()
             modes = {name: _mode(swarm, name) for name in ("pub0", "home0", "home1", "home2")}
@@ -154,7 +172,7 @@ def test_home_peers_behind_nat_train_survive_a_router_failure_and_continue_throu
     for number in range(1, rounds + 1):
         holders = {n: d for n, d in held[number].items() if number >= agree_from or n != "home2"}
         assert len(set(holders.values())) == 1, f"round {number}: peers disagree on θ_global: {held[number]}"
-    assert "home2" in committed[rounds]  # back, it finished the run with the others
+    assert "home2" in committed[rounds], _records_of(tmp_path, "home2")  # back, it finished the run with the others
     last_public = max(n for n in committed if "pub0" in committed[n])
     assert rounds - last_public >= 3
     for number in range(last_public + 1, rounds + 1):  # (b): no public peer left, only the relay
