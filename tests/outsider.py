@@ -154,14 +154,23 @@ class _Attempts:
 
     async def upload(self, node, target) -> str:
         from hivemind.proto import averaging_pb2, runtime_pb2
-        from hivemind.utils.asyncio import as_aiter
 
         from p2p_diloco.net.averaging.averager import CanonicalAverager
 
         stub = CanonicalAverager.get_stub(node.p2p, target, namespace=self.prefix)
         part = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"\0" * 20, weight=1e6,
                                            tensor_part=runtime_pb2.Tensor(buffer=b"\0" * 64, dtype="float32"))
-        async for message in await stub.rpc_aggregate_part(as_aiter(part)):
+        answered = asyncio.Event()
+
+        async def parts():
+            # Our input ends only once the member answered, as the averager's own senders do (allreduce.py): the
+            # member answers after our first part and closes the stream, and an end-of-stream written after that
+            # close fails (EPIPE), which hivemind's reader then raises instead of the answer it already holds.
+            yield part
+            await answered.wait()
+
+        async for message in await stub.rpc_aggregate_part(parts()):
+            answered.set()
             return averaging_pb2.MessageCode.Name(message.code)
         return "no answer"
 
