@@ -137,6 +137,7 @@ class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
             return dict(summary, allreduce_seconds=time.monotonic() - started, **stats)
         except BaseException as e:
             error = e
+            self._fail_waiting_parts(group_info.group_id, AllreduceException(f"the group failed: {e!r}"))
             raise MatchmakingException(f"all-reduce failed: {e!r}") from None
         finally:
             self._close_verification(group_info.group_id, verification, error)

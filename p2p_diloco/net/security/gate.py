@@ -58,6 +58,7 @@ class MemberGate:
 
     def _init_gate(self, keys: Optional[AccessKeys], revoked: frozenset = frozenset()) -> None:
         self._access_keys, self._revoked, self._admitted = keys, frozenset(revoked), set()
+        self._checks_in_flight: set = set()  # futures of revocation checks being awaited (see _is_revoked)
 
     async def _set_access(self, keys: Optional[AccessKeys], revoked: frozenset) -> None:
         """In the averager's process: a new secret re-checks everyone; a revoked peer is refused from now on."""
@@ -75,11 +76,20 @@ class MemberGate:
         hands revocations to the DHT's process at once, to ours at the start of the next round)."""
         if peer.to_base58() in self._revoked:
             return True
+        # Hold the answer's future while we wait: hivemind keeps only a weak reference to it, and the handler that
+        # waits on it may be reachable from nothing else, so that the garbage collector destroyed pending handlers
+        # with their senders' streams ("Task was destroyed but it is pending!", a lost part, a failed round: several
+        # per minute in a private run of 2 members, BENCHMARKS.md section 13a).
+        future = None
         try:
-            return bool(await self.dht.run_coroutine(IsRevoked(peer.to_base58()), return_future=True))
+            future = self.dht.run_coroutine(IsRevoked(peer.to_base58()), return_future=True)
+            self._checks_in_flight.add(future)
+            return bool(await future)
         except Exception as e:  # the DHT's process is gone: we are shutting down
             logger.debug(f"revocation check failed: {e!r}")
             return False
+        finally:
+            self._checks_in_flight.discard(future)
 
     async def _admit(self, peer: PeerID, proof: bytes, what: str) -> bool:
         """Check ``proof`` for the authenticated ``peer``; remember it if valid. True in an open run."""
@@ -106,10 +116,17 @@ class MemberGate:
         """Every member's proof, against its PeerID; raise (the round fails everywhere) on the first bad one."""
         for peer, proof in zip(peer_ids, proofs):
             if peer != self.peer_id and not await self._admit(peer, _unhex(proof), "a group"):
-                future = self._running_groups.get(group_id)
-                if future is not None and not future.done():  # parts already waiting for this group are refused
-                    future.set_exception(AllreduceException(f"group member {peer} is not a member of the run"))
-                raise AllreduceException(f"group member {peer} is not a member of the run")
+                error = AllreduceException(f"group member {peer} is not a member of the run")
+                self._fail_waiting_parts(group_id, error)
+                raise error
+
+    def _fail_waiting_parts(self, group_id: bytes, error: BaseException) -> None:
+        """Our group ends before its all-reduce began: parts already waiting for it (rpc_aggregate_part) are
+        answered now. Left waiting, on a future hivemind drops when the group ends, such a handler was reachable from
+        nothing and was destroyed by the garbage collector ("Task was destroyed but it is pending!")."""
+        future = self._running_groups.get(group_id)
+        if future is not None and not future.done():
+            future.set_exception(error)
 
     # ------------------------------------------------------------------------------------------------ RPCs
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
@@ -136,7 +153,11 @@ class MemberGate:
                 logger.warning(f"refused parts from {context.remote_id}: no such group")
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
-        group = await future  # resolved once _aggregate_with_group checked every member's proof
+        try:
+            group = await future  # resolved once _aggregate_with_group checked every member's proof
+        except AllreduceException:  # our group failed before its all-reduce began (_fail_waiting_parts)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)
+            return
         if not await self._is_admitted(context.remote_id, "parts"):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
