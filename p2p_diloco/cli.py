@@ -244,6 +244,8 @@ def _cmd_swarm(args, overrides: dict[str, str]) -> int:
         cfg.run.sample_every = args.rounds  # the peers log a text sample of the final θ_global for the report
     peer_args = write_peer_config(args.run_dir, cfg)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # a TERM must end the children too, as Ctrl+C does
+    # and SIGINT stops it even where it started ignored (a script's background job), as it stops a peer or bootstrap
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     return run_swarm(args.peers, args.rounds, args.inner_steps, args.run_dir, peer_args, timeout=args.timeout,
                      chaos=args.chaos, slowdowns=slowdowns, echo=lambda s: print(s, flush=True),
                      report=not args.no_report, bootstrap_args=_secret_args(cfg.network))

@@ -69,8 +69,10 @@ def test_restarted_swarm_resumes_from_checkpoints(tmp_path, process_tag):
 
 @pytest.mark.timeout(180)
 def test_interrupted_swarm_leaves_no_process(tmp_path, process_tag):
-    proc = subprocess.Popen([sys.executable, "-m", "p2p_diloco", "swarm", "--run-dir", str(tmp_path), "--peers", "2",
-                             "--rounds", "50", "--inner-steps", "10"], stdout=subprocess.PIPE,
+    # started as a script's background job is, with SIGINT ignored (inherited through exec): SIGINT still stops it
+    command = [sys.executable, "-m", "p2p_diloco", "swarm", "--run-dir", str(tmp_path), "--peers", "2",
+               "--rounds", "50", "--inner-steps", "10"]
+    proc = subprocess.Popen(["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:  # wait until the first round is in the table: every process is up and averaging
         if line.strip().startswith("1 "):
