@@ -177,7 +177,8 @@ def test_outsiders_are_refused_everywhere_and_the_members_rounds_are_their_own(p
         a, b = committed["peer0"][round_], committed["peer1"][round_]
         assert sorted(a["outer/peers"]) == ["peer0", "peer1"] == sorted(b["outer/peers"]), (a, b)
         assert a["global_params_sha256"] == b["global_params_sha256"], f"round {round_}: members disagree"
-    # no handler of the members' averagers was lost on the way: hivemind keeps only weak references to the futures
-    # a revocation check and a waiting part await, and the garbage collector destroyed such handlers mid-stream
+    # no handler of the members' averagers was lost on the way: hivemind references a revocation check's future only
+    # weakly and drops a failed group's future while parts wait on it, and the garbage collector destroyed such
+    # waiting handlers mid-stream
     for name in ("peer0", "peer1"):
         assert "Task was destroyed but it is pending" not in _log(run_dir, name), _log(run_dir, name)[-3000:]
