@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 from p2p_diloco.config.fields import ConfigError
 
 REPLAY_WINDOW_S = 60.0  # a signed DHT request older or newer than this (clock skew included) is refused
@@ -44,13 +47,8 @@ def read_secret(secret: Optional[str], secret_file: Optional[str]) -> Optional[b
 
 
 def _hkdf(secret: bytes, info: bytes, length: int = 32) -> bytes:
-    """HKDF-SHA256 (RFC 5869) with a fixed salt: extract once, expand ``info``."""
-    prk = hmac.new(b"p2p-diloco access v1", secret, hashlib.sha256).digest()
-    out, block, counter = b"", b"", 1
-    while len(out) < length:
-        block = hmac.new(prk, block + info + bytes([counter]), hashlib.sha256).digest()
-        out, counter = out + block, counter + 1
-    return out[:length]
+    """HKDF-SHA256 (RFC 5869, ``cryptography``'s) with a fixed salt: extract once, expand ``info``."""
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=b"p2p-diloco access v1", info=info).derive(secret)
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
