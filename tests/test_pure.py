@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
+# net/security/identity.py is not here: it encodes keys and PeerIDs with hivemind's own crypto_pb2 and PeerID
 PURE = ["p2p_diloco.train.outer", "p2p_diloco.train.dylu", "p2p_diloco.train.overlap", "p2p_diloco.net.consensus",
         "p2p_diloco.net.deadlines", "p2p_diloco.net.reachability", "p2p_diloco.net.security.access",
-        "p2p_diloco.net.security.identity",
         "p2p_diloco.net.averaging.codecs", "p2p_diloco.net.averaging.aggregators",
         "p2p_diloco.net.averaging.screening", "p2p_diloco.net.averaging.reducer_checks",
         "p2p_diloco.net.averaging.contribution"]

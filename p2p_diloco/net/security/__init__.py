@@ -3,6 +3,6 @@
   access.py    pure: a private run's keys (HKDF of the secret), membership proofs, revocation records, replay window
   auth.py      the DHT's HMAC authorizer (revoked senders refused), the revocation list, secret re-reads
   gate.py      the averager's side of a private run: members only in joins, parts and state downloads
-  identity.py  pure: libp2p identity keys and PeerIDs (Ed25519, RSA); signing records in a PeerID's name
+  identity.py  libp2p identity keys and PeerIDs (Ed25519, RSA; hivemind's protobufs); signing records in a PeerID's name
   records.py   the DHT record validator: a record in a PeerID's name must be signed by that PeerID
 """

@@ -1,4 +1,6 @@
-"""A peer's libp2p identity key, and DHT records signed with it. Pure: ``cryptography`` and ``base58``, no hivemind.
+"""A peer's libp2p identity key, and DHT records signed with it. The encodings are hivemind's and libp2p's own:
+hivemind's ``crypto_pb2`` protobufs, ``py-multihash`` and hivemind's ``PeerID`` (base58); the keys and signatures
+are ``cryptography``'s.
 
 A libp2p PeerID is a multihash of the peer's public key (the protobuf ``PublicKey{key_type, data}``):
   * Ed25519 (``12D3KooW...``): the *identity* multihash (``00 24`` + the 36-byte protobuf), so the PeerID itself holds
@@ -21,15 +23,19 @@ import struct
 from pathlib import Path
 from typing import Optional
 
-import base58
+import multihash
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, padding, rsa
+from google.protobuf.message import DecodeError
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
 
-RSA, ED25519 = 0, 1  # libp2p crypto.pb KeyType
+RSA, ED25519 = crypto_pb2.RSA, crypto_pb2.Ed25519  # libp2p crypto.pb KeyType
 MAGIC = b"\x00p2pdsig"  # the trailer of a signed value
 _TAG = b"p2p-diloco record v1"
 _TRAILER = struct.Struct(">HH")
+_IDENTITY_MAX = 42  # libp2p: a public key protobuf up to this long is inlined in its PeerID (identity multihash)
 
 
 class IdentityError(ValueError):
@@ -37,62 +43,45 @@ class IdentityError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------- protobuf, multihash
-def _varint(n: int) -> bytes:
-    out = b""
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out += bytes([byte | (0x80 if n else 0)])
-        if not n:
-            return out
-
-
-def encode_key(key_type: int, data: bytes) -> bytes:
-    """The protobuf ``{PublicKey|PrivateKey}{key_type = 1, data = 2}``, fields in order as go-libp2p writes them."""
-    return b"\x08" + _varint(key_type) + b"\x12" + _varint(len(data)) + data
+def encode_key(key_type: int, data: bytes, message=crypto_pb2.PublicKey) -> bytes:
+    """The protobuf ``{PublicKey|PrivateKey}{key_type = 1, data = 2}`` (the two share one layout)."""
+    try:
+        return message(key_type=key_type, data=data).SerializeToString()
+    except ValueError as e:  # a key type crypto.proto does not know
+        raise IdentityError(f"not a libp2p key type: {e}") from None
 
 
 def decode_key(blob: bytes) -> tuple[int, bytes]:
     """(key_type, data) of a protobuf PublicKey/PrivateKey; raises IdentityError if it is not one."""
-    fields, i = {}, 0
     try:
-        while i < len(blob):
-            tag, i = _read_varint(blob, i)
-            if tag == 0x08:
-                fields[1], i = _read_varint(blob, i)
-            elif tag == 0x12:
-                size, i = _read_varint(blob, i)
-                fields[2], i = blob[i:i + size], i + size
-                if len(fields[2]) != size:
-                    raise IndexError
-            else:
-                raise IndexError
-    except IndexError:
-        raise IdentityError("not a libp2p key protobuf") from None
-    if 1 not in fields or 2 not in fields:
+        key = crypto_pb2.PublicKey.FromString(blob)
+    except DecodeError:
+        key = None
+    if key is None or not key.IsInitialized():  # both fields are required; an unknown key type leaves one unset
         raise IdentityError("not a libp2p key protobuf")
-    return fields[1], fields[2]
-
-
-def _read_varint(blob: bytes, i: int) -> tuple[int, int]:
-    n, shift = 0, 0
-    while True:
-        byte = blob[i]
-        n, shift, i = n | (byte & 0x7F) << shift, shift + 7, i + 1
-        if not byte & 0x80:
-            return n, i
+    return key.key_type, key.data
 
 
 def peer_id_of(public_key_proto: bytes) -> bytes:
     """The PeerID (raw multihash) of a protobuf public key: identity multihash up to 42 bytes, else sha256."""
-    if len(public_key_proto) <= 42:
-        return b"\x00" + _varint(len(public_key_proto)) + public_key_proto
-    return b"\x12\x20" + hashlib.sha256(public_key_proto).digest()
+    if len(public_key_proto) <= _IDENTITY_MAX:
+        return multihash.encode(public_key_proto, "id")
+    return multihash.encode(hashlib.sha256(public_key_proto).digest(), "sha2-256")
+
+
+def _inlined_key(peer_id: bytes) -> bytes:
+    """The public key protobuf an identity-multihash PeerID holds; b"" for a sha256 one or bytes that are neither."""
+    try:
+        decoded = multihash.decode(peer_id)
+    except ValueError:
+        return b""
+    return decoded.digest if decoded.name == "id" else b""
 
 
 def peer_id_bytes(peer: str) -> Optional[bytes]:
     """The raw multihash of a base58 PeerID, or None if ``peer`` is not one."""
     try:
-        raw = base58.b58decode(peer)
+        raw = PeerID.from_base58(peer).to_bytes()
     except ValueError:
         return None
     return raw if is_peer_id(raw) else None
@@ -100,7 +89,19 @@ def peer_id_bytes(peer: str) -> Optional[bytes]:
 
 def is_peer_id(raw: bytes) -> bool:
     """Is ``raw`` a PeerID multihash we can check (an Ed25519 identity one, or a sha256 one)?"""
-    return (len(raw) == 34 and raw[:2] == b"\x12\x20") or (len(raw) == 38 and raw[:6] == b"\x00\x24\x08\x01\x12\x20")
+    try:
+        decoded = multihash.decode(raw)
+    except ValueError:
+        return False
+    if decoded.name == "sha2-256":
+        return decoded.length == 32
+    if decoded.name != "id":
+        return False
+    try:
+        key_type, data = decode_key(decoded.digest)
+    except IdentityError:
+        return False
+    return key_type == ED25519 and len(data) == 32
 
 
 # ---------------------------------------------------------------------------------------------- the private key
@@ -147,10 +148,10 @@ class Identity:
         if self.key_type == ED25519:
             seed = self._key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
                                            serialization.NoEncryption())
-            return encode_key(ED25519, seed + self.public_key[4:])
+            return encode_key(ED25519, seed + decode_key(self.public_key)[1], crypto_pb2.PrivateKey)
         return encode_key(RSA, self._key.private_bytes(serialization.Encoding.DER,
                                                        serialization.PrivateFormat.TraditionalOpenSSL,
-                                                       serialization.NoEncryption()))
+                                                       serialization.NoEncryption()), crypto_pb2.PrivateKey)
 
     def write(self, path: str) -> None:
         """Write the p2pd key file, readable by its owner only (fails if it exists)."""
@@ -160,7 +161,7 @@ class Identity:
 
     @property
     def peer_id_b58(self) -> str:
-        return base58.b58encode(self.peer_id).decode()
+        return PeerID(self.peer_id).to_base58()
 
     def sign(self, message: bytes) -> bytes:
         if self.key_type == ED25519:
@@ -177,7 +178,7 @@ class Identity:
 def verify(peer_id: bytes, message: bytes, signature: bytes, carried_key: bytes = b"") -> bool:
     """Did the key behind ``peer_id`` sign ``message``? An RSA (sha256) PeerID needs the key carried with the record,
     which must hash to the PeerID; an Ed25519 PeerID holds its key."""
-    public_key = peer_id[2:] if peer_id[:1] == b"\x00" else carried_key
+    public_key = _inlined_key(peer_id) or carried_key
     if not public_key or peer_id_of(public_key) != peer_id:
         return False
     try:
