@@ -1,6 +1,6 @@
 """Home peers behind NAT: all-reduce time and wire bytes, direct vs client mode vs relayed, on asymmetric links.
 
-An emulated internet (p2p_diloco/ops/netlab.py): every home host sits behind its own NAT router on a link of
+An emulated internet (netlab.py): every home host sits behind its own NAT router on a link of
 ``--down``/``--up`` Mbit/s (default 100/20); cloud hosts and the relay (a ``p2p-diloco bootstrap`` node, public,
 serving circuit relay v2) have symmetric ``--cloud`` Mbit/s links. N = 3 peers average one tensor of ``--params``
 fp32 values (scaled_fp16 on the wire, like a peer's pseudo-gradient) with p2p_diloco's Averager:

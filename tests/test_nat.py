@@ -1,4 +1,4 @@
-"""Home peers behind NAT, in an emulated internet (p2p_diloco/ops/netlab.py): real peer processes in network
+"""Home peers behind NAT, in an emulated internet (benchmarks/netlab.py): real peer processes in network
 namespaces; each home sits behind its own masquerading router (no inbound connections) on a 100/20 Mbit/s link;
 the bootstrap node is the run's relay. Skipped only where namespaces or nftables are unavailable."""
 
@@ -17,8 +17,10 @@ import pytest
 from p2p_diloco.config import load_config
 from p2p_diloco.ops.faults import HOLD_FILE
 from p2p_diloco.ops.metrics import read_jsonl
-from p2p_diloco.ops.netlab import Internet, unavailable_reason
 from p2p_diloco.ops.swarm import DEMO_DEFAULTS, LocalSwarm, collect_rounds, write_peer_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # the lab is not installed
+from netlab import Internet, unavailable_reason  # noqa: E402
 
 REASON = unavailable_reason(nat=True)
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"emulated internet unavailable: {REASON}")

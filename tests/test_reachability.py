@@ -1,10 +1,11 @@
 """Reachability without a swarm: the pure decision rule (net/reachability.py), the circuit v2 messages we exchange
-with relays (net/nat.py, checked against protobuf itself), and the emulated internet (ops/netlab.py)."""
+with relays (net/nat.py, checked against protobuf itself), and the emulated internet (benchmarks/netlab.py)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -13,7 +14,9 @@ from p2p_diloco.net.nat import encode_reserve, parse_hop_message
 from p2p_diloco.net.reachability import (DEFAULT_RELAY_LIMIT, Findings, RelayInfo, choose_mode, explain_no_group,
                                          is_public_ip, relay_problem)
 from p2p_diloco.ops.faults import parse_fault
-from p2p_diloco.ops.netlab import Internet, unavailable_reason
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # the lab is not installed
+from netlab import Internet, unavailable_reason  # noqa: E402
 
 MB = 1 << 20
 BIG = RelayInfo("/ip4/192.0.0.100/tcp/31337/p2p/QmRelay", 1800, 4 << 30)

@@ -117,7 +117,8 @@ _NOT_PUBLIC = [ipaddress.ip_network(n) for n in (
 
 def is_public_ip(host: str) -> bool:
     """True for an IP address libp2p considers public (neither private nor reserved, by go-multiaddr's lists, so
-    that 192.0.0.64-255, which the emulated internet of ops/netlab.py uses, counts as public, as it does for p2pd)."""
+    that 192.0.0.64-255, which the emulated internet of benchmarks/netlab.py uses, counts as public, as it does for
+    p2pd)."""
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
