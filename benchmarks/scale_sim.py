@@ -7,7 +7,8 @@ One round, as the simulation plays it (times in seconds, P = payload bytes on th
               T = H / v_max; each arrives at T x exp(drift x z) (its speed this round differs from the one planned)
   matchmaking the window opens at the first arrival and lasts the deadline of p2p_diloco/net/deadlines.py
               (max(floor, 5 % of the median recent round)); peers arriving later miss the round (they fetch the
-              state and rebase their work); the group closes at its last arrival + mm_base + mm_per_peer x n
+              state and rebase their work); the group closes at its last arrival + mm_base + 2 rtt + mm_per_peer x n,
+              so matchmaking lasts the spread of the arrivals plus that overhead
   all-reduce  butterfly: every member uploads and downloads 2(n-1)/n x P; the slowest link bounds it:
               ar_base + 2 rtt + max_i 2(n-1)/n x P / min(up_i, down_i); past deadlines.py's allreduce_timeout the
               round fails under either rule
@@ -43,6 +44,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 
@@ -71,7 +73,7 @@ class Params:
     mm_base_s: float = 0.06           # fitted: matchmaking after the last arrival (4-peer loopback swarm)
     mm_per_peer_s: float = 0.005      # assumed: the leader answers one join request per member
     ar_base_s: float = 0.0            # fitted: fixed all-reduce cost (0: one size measured, all went to throughput)
-    sync_s: float = 0.05              # fitted: roster reads, pseudo-gradient and outer step per round
+    sync_s: float = 0.14              # fitted: roster reads, pseudo-gradient and outer step per round
     matchmaking_floor: float = 10.0   # averaging.matchmaking_time
     allreduce_floor: float = 600.0    # averaging.allreduce_timeout, raised for P on home links as its doc says
     chunk_floor: float = 30.0         # averaging.next_chunk_timeout
@@ -86,13 +88,13 @@ class Params:
 
 
 def _draw_peers(prm: Params, n: int, rng: np.random.Generator):
-    if prm.speeds:
-        speed = np.resize(np.asarray(prm.speeds, float), n)
-    else:
-        speed = np.exp(prm.speed_sigma * rng.standard_normal(n))
-    speed = speed / speed.max() / prm.step_s  # steps per second
-    up = prm.uplink_mbps * MBIT * np.exp(prm.link_sigma * rng.standard_normal(n))
-    down = prm.downlink_mbps * MBIT * np.exp(prm.link_sigma * rng.standard_normal(n))
+    """Speeds (steps/s) and links (bytes/s) of n peers: lognormal quantiles, shuffled, so that the slowest of N moves
+    smoothly with N instead of with the luck of N draws."""
+    z = np.array([NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)])
+    speed = np.resize(np.asarray(prm.speeds, float), n) if prm.speeds else np.exp(prm.speed_sigma * rng.permutation(z))
+    speed = speed / speed.max() / prm.step_s
+    up = prm.uplink_mbps * MBIT * np.exp(prm.link_sigma * rng.permutation(z))
+    down = prm.downlink_mbps * MBIT * np.exp(prm.link_sigma * rng.permutation(z))
     return speed, up, down
 
 
@@ -134,7 +136,7 @@ def simulate(prm: Params, n: int, rounds: int, rule: str, seed: int = 0) -> dict
         first = arrive.min()
         member = arrive <= first + dl.matchmaking_time
         size = int(member.sum())
-        close = arrive[member].max() + prm.mm_base_s + prm.mm_per_peer_s * size
+        close = arrive[member].max() + prm.mm_base_s + 2 * prm.rtt_s + prm.mm_per_peer_s * size
         moved = 2 * (size - 1) / size * prm.payload_bytes
         t_ar = prm.ar_base_s + 2 * prm.rtt_s + _transfer_s(prm, moved, size, up[member], down[member])
         lost = member & (u_loss < prm.p)
@@ -161,7 +163,7 @@ def simulate(prm: Params, n: int, rounds: int, rule: str, seed: int = 0) -> dict
             fresh = survivors & (k - since <= prm.max_staleness)
             useful += float(work[fresh].sum())
             work[survivors], since[survivors] = 0.0, -1
-            est.observe(int(moved), t_ar)
+            est.observe(int(2 * moved), t_ar)  # sent + received, as the seam reports them
         # work older than max_staleness attempts is what a rebasing peer drops
         stale = (since >= 0) & (k + 1 - since > prm.max_staleness)
         work[stale], since[stale] = 0.0, -1
@@ -350,13 +352,17 @@ def main(argv=None) -> int:
                     "--speed-sigma)")
     args = ap.parse_args(argv)
     given = {f: getattr(args, f) for f in asdict(Params()) if f not in ("p", "host_bytes_per_s")}
-    if args.rounds < 1 or min(args.peers) < 2 or not all(0 <= p < 1 for p in args.p):
-        ap.error("--rounds must be >= 1, --peers >= 2 and every --p in [0, 1)")
-    bad = [k for k, v in given.items() if k != "speeds" and isinstance(v, (int, float)) and (v < 0 or
-                                                                                        not math.isfinite(v))]
-    if bad or min(args.speeds, default=1) <= 0 or args.payload_bytes <= 0 or args.step_s <= 0 or \
-            args.inner_steps < 1 or min(args.uplink_mbps, args.downlink_mbps) <= 0:
-        ap.error(f"--{(bad or ['speeds/payload/step/links'])[0].replace('_', '-')}: must be a positive, finite value")
+    positive = ("rounds", "inner_steps", "payload_bytes", "step_s", "uplink_mbps", "downlink_mbps", "part_size_bytes",
+                "speeds")
+    for name, value in [*vars(args).items(), *(("speeds", v) for v in args.speeds)]:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                not math.isfinite(value) or value < 0 or (value == 0 and name in positive)):
+            ap.error(f"--{name.replace('_', '-')}: must be a finite number, {'> 0' if name in positive else '>= 0'}")
+    for name, bad in (("peers", min(args.peers) < 2), ("p", not all(0 <= p < 1 for p in args.p)),
+                      ("stall-frac", args.stall_frac > 1)):
+        if bad:
+            ap.error(f"--{name}: " + {"peers": "every N must be >= 2", "p": "every p must be in [0, 1)",
+                                      "stall-frac": "must be at most 1"}[name])
     prm = Params(**given)
     peers, rounds = (tuple(n for n in args.peers if n <= 64), min(args.rounds, 40)) if args.quick else \
         (args.peers, args.rounds)
