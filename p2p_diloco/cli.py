@@ -1,12 +1,14 @@
-"""``p2p-diloco``: bootstrap | peer | swarm | status | revoke | export | generate | plot | doctor. Thin: parse, build,
-run, and clean up in ``finally``.
+"""``p2p-diloco``: bootstrap | peer | swarm | status | revoke | export | generate | plot | doctor | config. Thin:
+parse, build, run, and clean up in ``finally``. The parser and its help: cli_parser.py.
 
-Bad input (unknown key, wrong type, missing file, unreachable initial peer) prints one line and exits with code 2.
+Bad input (unknown key, wrong type, missing file, unreachable initial peer) prints one line and exits with code 2;
+what can be checked before a daemon starts (multiaddrs, a taken port, the model, the device: config/preflight.py)
+is checked first.
 """
 
 from __future__ import annotations
 
-import argparse
+import difflib
 import logging
 import multiprocessing
 import os
@@ -16,16 +18,18 @@ import sys
 import threading
 from typing import Optional
 
-from p2p_diloco.config import ConfigError, describe, load_config, parse_overrides
+from p2p_diloco.cli_parser import build_parser, command_parser, unrecognized
+from p2p_diloco.config import SECTIONS, ConfigError, describe, load_config, parse_overrides, preflight
 from p2p_diloco.errors import JoinError
 
 USAGE_ERROR = 2
 
-DESCRIPTION = "Peer-to-peer DiLoCo training over the internet, on hivemind, with bit-identical global parameters."
-
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-V"], ["--version"]):
+        print(f"p2p-diloco {version()}")
+        return 0
     parser = _parser()
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
@@ -36,7 +40,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args, unknown = parser.parse_known_args(rest)
         args.argv = argv  # for a peer that relaunches itself under torchrun
         if unknown:
-            raise ConfigError(f"unrecognized arguments: {' '.join(unknown)} (config keys look like --section.key=value)")
+            raise ConfigError(unrecognized(unknown, command_parser(parser, argv[0])))
         if overrides and not getattr(args, "reads_config", True):
             raise ConfigError(f"{argv[0]}: takes no config keys (got --{next(iter(overrides))})")
         code = args.func(args, overrides)
@@ -69,106 +73,44 @@ def _fail(message: str) -> None:
     print(f"p2p-diloco: error: {message}", file=sys.stderr)
 
 
-# ---------------------------------------------------------------------------------------------- parser
+def version() -> str:
+    """The installed package's version (importlib.metadata)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="p2p-diloco", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Run 'p2p-diloco COMMAND --help' for a command's options and config keys.")
-    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    try:
+        return package_version("p2p-diloco")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
 
-    def command(name: str, help_text: str, func, sections: Optional[list[str]],
-                defaults: Optional[dict] = None) -> argparse.ArgumentParser:
-        if sections == []:  # a command that reads no config
-            p = sub.add_parser(name, help=help_text, description=help_text)
-        else:
-            p = sub.add_parser(name, help=help_text, description=help_text,
-                               formatter_class=argparse.RawDescriptionHelpFormatter,
-                               epilog="config keys (in a TOML file under [section], or as --section.key=value; "
-                                      "'run setting': every peer of a run holds the same value):\n"
-                                      + describe(sections, defaults))
-            p.add_argument("--config", metavar="FILE", action="append",
-                           help="TOML config file; repeat it to layer files (e.g. a run config, then a machine "
-                                "config: later files win); --section.key=value flags override them")
-        p.set_defaults(func=func, reads_config=sections != [])
-        return p
 
-    from p2p_diloco.ops.bootstrap import DEFAULTS as BOOTSTRAP_DEFAULTS
-    from p2p_diloco.ops.swarm import DEMO_DEFAULTS
+def _parser():
+    commands = {"bootstrap": _cmd_bootstrap, "peer": _cmd_peer, "doctor": _cmd_doctor, "swarm": _cmd_swarm,
+                "status": _cmd_status, "export": _cmd_export, "generate": _cmd_generate, "revoke": _cmd_revoke,
+                "plot": _cmd_plot, "config": _cmd_config}
+    return build_parser(commands, version())
 
-    b = command("bootstrap", "Run a DHT-only bootstrap node that peers use to find each other.", _cmd_bootstrap,
-                ["network"], BOOTSTRAP_DEFAULTS)
-    b.add_argument("--maddrs-file", metavar="FILE", help="also write the node's multiaddrs to FILE")
 
-    p = command("peer", "Join a run and train: inner AdamW steps, then a fault-tolerant all-reduce every H steps.",
-                _cmd_peer, None)
-    p.add_argument("--initial-peers", metavar="MADDR[,MADDR]",
-                   help="multiaddrs of any live node of the run (same as --network.initial_peers)")
-    p.add_argument("--nproc-per-node", type=int, metavar="K",
-                   help="run this peer as K processes, one per GPU of this machine (data parallel inside the peer; "
-                        "the same as starting it with torchrun --standalone --nproc-per-node K -m p2p_diloco peer)")
+def _flags_to_keys(args, overrides: dict[str, str], flags: dict[str, str]) -> dict[str, str]:
+    """A command's short flags (attribute -> config key) folded into the overrides; one key set twice is refused."""
+    overrides = dict(overrides)
+    for attr, key in flags.items():
+        value = getattr(args, attr, None)
+        if value is None:
+            continue
+        if key in overrides:
+            raise ConfigError(f"--{attr.replace('_', '-')} and --{key} set the same key: give one of them")
+        overrides[key] = str(value)
+    return overrides
 
-    d = command("doctor", "Check this machine's view of a swarm (initial peers, reachability, relay, clock, shared "
-                "memory, disk, GPU): one verdict per line, to paste into an issue.", _cmd_doctor, None)
-    d.add_argument("--initial-peers", metavar="MADDR[,MADDR]",
-                   help="multiaddrs of any live node of the run (same as --network.initial_peers)")
 
-    s = command("swarm", "Run a bootstrap node and N peers on 127.0.0.1 (the demo, and the shape of our tests).",
-                _cmd_swarm, None, DEMO_DEFAULTS)
-    s.add_argument("--peers", type=int, default=3, help="number of peers (default 3)")
-    s.add_argument("--rounds", type=int, default=6, help="rounds to train (default 6)")
-    s.add_argument("--inner-steps", type=int, default=30, help="H, inner steps per round (default 30)")
-    s.add_argument("--run-dir", default="runs/swarm", help="folder for logs, metrics, checkpoints and summary.json")
-    s.add_argument("--timeout", type=float, default=None, help="stop the swarm after this many seconds")
-    s.add_argument("--chaos", type=int, default=None, metavar="SEED",
-                   help="inject seeded failures: SIGKILLs during an all-reduce, inner steps or matchmaking and "
-                        "while serving state, a graceful leave, two joins, a bootstrap kill (needs --peers >= 3, "
-                        "--rounds >= 6)")
-    s.add_argument("--slowdown", metavar="F[,F...]", default=None,
-                   help="fault.slowdown of each peer in turn, e.g. 1,1,2,4: peer i sleeps (F - 1) x each inner "
-                        "step's compute time after it, behaving like a machine F times slower (default: all 1)")
-    s.add_argument("--no-report", action="store_true",
-                   help="skip the text sample from the final θ_global and the plots at the end of the run")
-
-    st = command("status", "Show a live run from the DHT, read-only: each peer's round, digest agreement, speed, "
-                 "reachability, last all-reduce; the run's round and tokens.", _cmd_status,
-                 ["network", "run", "averaging"])
-    st.add_argument("--initial-peers", metavar="MADDR[,MADDR]",
-                    help="multiaddrs of any live node of the run (same as --network.initial_peers)")
-    st.add_argument("--watch", type=float, nargs="?", const=5.0, default=None, metavar="SECONDS",
-                    help="refresh every SECONDS (default 5) until Ctrl-C")
-    st.add_argument("--json", action="store_true", help="print JSON (one object per refresh) instead of a table")
-
-    e = command("export", "Write θ_global of a run as a Hugging Face folder (config, safetensors, tokenizer).",
-                _cmd_export, [])
-    e.add_argument("run_dir", metavar="RUN_DIR", help="a peer's run folder, or a swarm's (its peers' folders inside)")
-    e.add_argument("out", metavar="OUT", help="folder to write (must not exist, or be empty)")
-    e.add_argument("--round", type=int, default=None,
-                   help="that round, from a checkpoint at it or a peer's export (run.export_every); default: the "
-                        "latest round saved")
-
-    g = command("generate", "Print sampled continuations of a prompt from θ_global of a run or an exported folder.",
-                _cmd_generate, [])
-    g.add_argument("--run-dir", required=True, metavar="DIR", help="a run folder (peer or swarm) or an exported folder")
-    g.add_argument("--prompt", required=True, help="the text to continue")
-    g.add_argument("--samples", type=int, default=3, help="continuations to draw (default 3)")
-    g.add_argument("--max-new-tokens", type=int, default=100, help="tokens per continuation (default 100)")
-    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8)")
-    g.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens (default 50)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text (default 0)")
-    g.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
-
-    r = command("revoke", "Remove a member from a private run, without restarting it: every node refuses its peer "
-                "id within seconds.", _cmd_revoke, ["network"])
-    r.add_argument("peer_id", metavar="PEER_ID", help="the peer id to refuse (as in the roster or its log)")
-    r.add_argument("--initial-peers", metavar="MADDR[,MADDR]",
-                   help="multiaddrs of any live node of the run (same as --network.initial_peers)")
-
-    pl = command("plot", "Draw a run's metrics as PNGs: loss per peer, round timeline, group size and traffic.",
-                 _cmd_plot, [])
-    pl.add_argument("run_dir", metavar="RUN_DIR", help="a peer's run folder, or a swarm's")
-    pl.add_argument("--out", metavar="DIR", default=None, help="folder for the PNGs (default: RUN_DIR)")
-    return parser
+def _one_run_dir(args, command: str) -> str:
+    """The run folder of export and plot: positional (as before) or --run-dir, once."""
+    if args.run_dir is not None and args.run_dir_flag is not None:
+        raise ConfigError(f"{command}: give the run folder once, as RUN_DIR or as --run-dir")
+    if args.run_dir is None and args.run_dir_flag is None:
+        raise ConfigError(f"{command}: needs a run folder: p2p-diloco {command} --run-dir DIR")
+    return args.run_dir if args.run_dir is not None else args.run_dir_flag
 
 
 # ---------------------------------------------------------------------------------------------- commands
@@ -176,7 +118,10 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_bootstrap(args, overrides: dict[str, str]) -> int:
     from p2p_diloco.ops.bootstrap import DEFAULTS, run_bootstrap
 
-    cfg = load_config(args.config, overrides, defaults=DEFAULTS)
+    sources: dict[str, str] = {}
+    cfg = load_config(args.config, overrides, defaults=DEFAULTS, sources=sources)
+    preflight.only_sections("bootstrap", ["network"], sources)
+    preflight.check_network(cfg.network)
     _setup_logging("bootstrap")
     stop = threading.Event()
     _on_stop_signals(stop)  # the DHT's own process resets these to the default (procs.become_child_process)
@@ -184,11 +129,18 @@ def _cmd_bootstrap(args, overrides: dict[str, str]) -> int:
     return 0
 
 
+PEER_FLAGS = {"rounds": "run.rounds", "inner_steps": "diloco.inner_steps", "run_dir": "run.run_dir"}
+
+
 def _cmd_peer(args, overrides: dict[str, str]) -> int:
     if args.initial_peers:
         overrides = {"network.initial_peers": args.initial_peers, **overrides}
+    overrides = _flags_to_keys(args, overrides, PEER_FLAGS)
     given: set[str] = set()  # the keys set by files and flags: the run's published settings complete the others
     cfg = load_config(args.config, overrides, given=given)  # bad input fails here, before the slow imports below
+    # a rank > 0 of a multi-GPU peer (torchrun) starts no daemon: rank 0 listens on the port, maybe already
+    preflight.check_network(cfg.network, listen=int(os.environ.get("RANK") or 0) == 0)
+    preflight.check_training(cfg)
     from p2p_diloco.ops import ranks
 
     if args.nproc_per_node is not None:
@@ -221,7 +173,8 @@ def _cmd_doctor(args, overrides: dict[str, str]) -> int:
 
     if args.initial_peers:
         overrides = {"network.initial_peers": args.initial_peers, **overrides}
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, _flags_to_keys(args, overrides, {"run_dir": "run.run_dir"}))
+    preflight.check_network(cfg.network)
     _setup_logging("doctor", level=logging.WARNING)
     return run_doctor(cfg, echo=lambda s: print(s, flush=True))
 
@@ -240,6 +193,8 @@ def _cmd_swarm(args, overrides: dict[str, str]) -> int:
     slowdowns = _slowdowns(args.slowdown, args.peers)
     # validate everything before starting a single process; peers then read one effective config file
     cfg = load_config(args.config, overrides, defaults=DEMO_DEFAULTS)
+    preflight.check_network(cfg.network, listen=False)  # the swarm gives its nodes their addresses
+    preflight.check_training(cfg)
     if not args.no_report and cfg.run.sample_every == 0:
         cfg.run.sample_every = args.rounds  # the peers log a text sample of the final θ_global for the report
     peer_args = write_peer_config(args.run_dir, cfg)
@@ -276,6 +231,7 @@ def _cmd_status(args, overrides: dict[str, str]) -> int:
     cfg = load_config(args.config, overrides)
     if not cfg.network.initial_peers:
         raise ConfigError("status: needs --initial-peers (the multiaddr of any live node of the run)")
+    preflight.check_network(cfg.network)
     if args.watch is not None and args.watch <= 0:
         raise ConfigError(f"--watch: must be > 0, got {args.watch}")
     from p2p_diloco.ops.status import run_status
@@ -290,6 +246,7 @@ def _cmd_revoke(args, overrides: dict[str, str]) -> int:
     if args.initial_peers:
         overrides = {"network.initial_peers": args.initial_peers, **overrides}
     cfg = load_config(args.config, overrides)
+    preflight.check_network(cfg.network)
     from p2p_diloco.ops.revoke import run_revoke
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -299,7 +256,7 @@ def _cmd_revoke(args, overrides: dict[str, str]) -> int:
 def _cmd_export(args, overrides: dict[str, str]) -> int:
     from p2p_diloco.ops.export import export_run
 
-    round_, out = export_run(args.run_dir, args.out, args.round)
+    round_, out = export_run(_one_run_dir(args, "export"), args.out, args.round)
     print(f"θ_global of round {round_} exported to {out}: load it with "
           f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
@@ -321,8 +278,17 @@ def _cmd_generate(args, overrides: dict[str, str]) -> int:
 def _cmd_plot(args, overrides: dict[str, str]) -> int:
     from p2p_diloco.ops.plot import write_plots
 
-    for path in write_plots(args.run_dir, args.out):
+    for path in write_plots(_one_run_dir(args, "plot"), args.out):
         print(path)
+    return 0
+
+
+def _cmd_config(args, overrides: dict[str, str]) -> int:
+    if args.section is not None and args.section not in SECTIONS:
+        close = difflib.get_close_matches(args.section, list(SECTIONS), n=1)
+        raise ConfigError(f"config list: no section {args.section!r}: "
+                          + (f"did you mean {close[0]}?" if close else f"sections: {', '.join(SECTIONS)}"))
+    print(describe(None if args.section is None else [args.section]))
     return 0
 
 

@@ -115,8 +115,8 @@ def test_unreachable_initial_peer_exits_2_after_a_bounded_wait(tmp_path, process
     assert time.monotonic() - start < 60
 
 
-def test_help_lists_every_key_with_its_default():
-    out = _cli("peer", "--help")
+def test_help_all_lists_every_key_with_its_default():
+    out = _cli("peer", "--help-all")  # --help shows the most-used keys only (test_cli_errors.py)
     assert out.returncode == 0
     defaults = Config()
     for section in SECTIONS:

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import sys
+import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -93,11 +95,13 @@ def _coerce(key: str, tp, value, from_text: bool):
 def _set(cfg: Config, dotted: str, value, from_text: bool) -> None:
     section_name, _, key = dotted.partition(".")
     if section_name not in SECTIONS or not key:
-        raise ConfigError(f"unknown config key '{dotted}' (sections: {', '.join(SECTIONS)})")
+        raise ConfigError(f"unknown config key '{dotted}'"
+                          + _did_you_mean(dotted, f" (sections: {', '.join(SECTIONS)})"))
     section = getattr(cfg, section_name)
     fields = {f.name: f for f in dataclasses.fields(section)}
     if key not in fields:
-        raise ConfigError(f"unknown config key '{dotted}' (keys of [{section_name}]: {', '.join(fields)})")
+        raise ConfigError(f"unknown config key '{dotted}'"
+                          + _did_you_mean(dotted, f" (keys of [{section_name}]: {', '.join(fields)})"))
     f = fields[key]
     tp = typing.get_type_hints(type(section))[key]
     coerced = _coerce(dotted, tp, value, from_text)
@@ -109,28 +113,69 @@ def _set(cfg: Config, dotted: str, value, from_text: bool) -> None:
     setattr(section, key, coerced)
 
 
+def all_keys() -> list[str]:
+    """Every dotted key, in section and field order."""
+    return [f"{name}.{f.name}" for name, tp in SECTIONS.items() for f in dataclasses.fields(tp)]
+
+
+def suggest_key(text: str) -> Optional[str]:
+    """The config key ``text`` (a dotted key, or a bare name such as ``inner_steps``) most likely meant: the same
+    name in another section, else the closest spelling (difflib); None if nothing is close."""
+    text = text.replace("-", "_")
+    keys = all_keys()
+    name = text.rpartition(".")[2]
+    same_name = [k for k in keys if k.rpartition(".")[2] == name]
+    if same_name:
+        return same_name[0]
+    close = difflib.get_close_matches(text, keys, n=1, cutoff=0.75)
+    if not close:  # a misspelt name under the right section, or a bare name
+        close = difflib.get_close_matches(name, [k.rpartition(".")[2] for k in keys], n=1, cutoff=0.7)
+        close = [k for k in keys if k.rpartition(".")[2] in close][:1]
+    return close[0] if close else None
+
+
+def _did_you_mean(dotted: str, otherwise: str) -> str:
+    suggestion = suggest_key(dotted)
+    return f": did you mean {suggestion}?" if suggestion else otherwise
+
+
 # ---------------------------------------------------------------------------------------------- public API
 
+COMMAND_LINE = "the command line"
+"""Where a key came from, in :func:`load_config`'s ``sources``, when a flag set it."""
+
+
 def load_config(path: Optional[str | Path | list] = None, overrides: Optional[dict[str, str]] = None,
-                defaults: Optional[dict[str, Any]] = None, given: Optional[set[str]] = None) -> Config:
+                defaults: Optional[dict[str, Any]] = None, given: Optional[set[str]] = None,
+                sources: Optional[dict[str, str]] = None) -> Config:
     """Field defaults, then typed ``defaults`` (a subcommand's own), then the TOML file(s) at ``path`` (a later file
     wins over an earlier one), then ``overrides`` (strings from the command line): each layer wins over the ones
-    before it. ``given``, if passed, receives the dotted keys that the files and overrides set."""
+    before it. ``given``, if passed, receives the dotted keys that the files and overrides set; ``sources``, if passed,
+    maps each of them to where it was set last (a file's path, or :data:`COMMAND_LINE`). An error in a file names
+    the file."""
     cfg = Config()
     for dotted, value in (defaults or {}).items():
         _set(cfg, dotted, value, from_text=False)
     paths = [] if path is None else list(path) if isinstance(path, (list, tuple)) else [path]
     for one in paths:
         for dotted, value in _read_toml(Path(one)):
-            _set(cfg, dotted, value, from_text=False)
-            if given is not None:
-                given.add(dotted)
+            try:
+                _set(cfg, dotted, value, from_text=False)
+            except ConfigError as e:
+                raise ConfigError(f"{one}: {e}") from None
+            _note(dotted, str(one), given, sources)
     for dotted, value in (overrides or {}).items():
         _set(cfg, dotted, value, from_text=True)
-        if given is not None:
-            given.add(dotted)
+        _note(dotted, COMMAND_LINE, given, sources)
     _check_consistency(cfg)
     return cfg
+
+
+def _note(dotted: str, source: str, given: Optional[set[str]], sources: Optional[dict[str, str]]) -> None:
+    if given is not None:
+        given.add(dotted)
+    if sources is not None:
+        sources[dotted] = source
 
 
 def _read_toml(path: Path) -> list[tuple[str, Any]]:
@@ -143,8 +188,8 @@ def _read_toml(path: Path) -> list[tuple[str, Any]]:
     items = []
     for section_name, section in data.items():
         if not isinstance(section, dict):
-            raise ConfigError(f"unknown config key '{section_name}' (put keys under a [section])"
-                              if section_name not in SECTIONS else f"{section_name}: expected a table")
+            raise ConfigError(f"{path}: unknown config key '{section_name}' (put keys under a [section])"
+                              if section_name not in SECTIONS else f"{path}: {section_name}: expected a table")
         items += [(f"{section_name}.{key}", value) for key, value in section.items()]
     return items
 
@@ -193,24 +238,47 @@ def parse_overrides(args: list[str]) -> tuple[dict[str, str], list[str]]:
     return overrides, rest
 
 
-def describe(sections: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None) -> str:
-    """Every key with its type, default (a subcommand's own ``defaults`` included), unit, whether it is a run setting
-    (shared by every peer of a run; the others are machine settings) and help, for ``--help``."""
+COMMON_KEYS = ("model.name", "model.init_from", "data.dataset", "data.tokenizer", "inner.lr", "inner.batch_size",
+               "diloco.inner_steps", "averaging.codec", "network.initial_peers", "network.host_maddrs",
+               "network.announce_maddrs", "network.identity_path", "network.secret_file", "run.run_id", "run.name",
+               "run.run_dir", "run.rounds", "run.device")
+"""The keys a command's ``--help`` shows (``--help-all`` and ``p2p-diloco config list`` show every key)."""
+
+TESTING_SECTIONS = ("fault",)
+"""Sections for tests and benchmarks only: shown by ``--help-all`` and ``config list``, never by ``--help``."""
+
+
+def describe(sections: Optional[list[str]] = None, defaults: Optional[dict[str, Any]] = None,
+             keys: Optional[Collection[str]] = None) -> str:
+    """Every key of ``sections`` (None: all) with its type, default (a subcommand's own ``defaults`` included), unit,
+    whether it is a run setting (shared by every peer of a run; the others are machine settings) and help, for
+    ``--help-all``. With ``keys``, only those, one line each (key, default and the help shortened), for ``--help``."""
     lines = []
     defaults = load_config(defaults=defaults)
     for section_name, section_type in SECTIONS.items():
         if sections is not None and section_name not in sections:
             continue
-        lines.append(f"[{section_name}]  {section_type.__doc__.strip()}")
+        if keys is None:
+            lines.append(f"[{section_name}]  {section_type.__doc__.strip()}")
         hints = typing.get_type_hints(section_type)
         for f in dataclasses.fields(section_type):
             default = getattr(getattr(defaults, section_name), f.name)
+            flag = f"  --{section_name}.{f.name}={_show(default)}"
+            if keys is not None:
+                if f"{section_name}.{f.name}" in keys:
+                    lines.append(_one_line(flag, f.metadata["help"]))
+                continue
             unit = f" [{f.metadata['unit']}]" if f.metadata.get("unit") else ""
             choices = f" (one of: {', '.join(f.metadata['choices'])})" if f.metadata.get("choices") else ""
             scope = "  run setting" if f.metadata.get("shared") else ""
-            lines.append(f"  --{section_name}.{f.name}={_show(default)}  ({_type_name(hints[f.name])}){unit}{scope}")
+            lines.append(f"{flag}  ({_type_name(hints[f.name])}){unit}{scope}")
             lines.append(f"      {f.metadata['help']}{choices}")
     return "\n".join(lines)
+
+
+def _one_line(flag: str, help_text: str, width: int = 110) -> str:
+    flag = flag.ljust(38) if len(flag) < 38 else flag + "  "
+    return flag + textwrap.shorten(help_text, max(width - len(flag), 30), placeholder=" ...")
 
 
 def _show(value) -> str:

@@ -92,14 +92,17 @@ def tokenizer_source(name: str, init_from: Optional[str] = None) -> str:
 def load_tokenizer(name: str, init_from: Optional[str] = None) -> Tokenizer:
     """'byte' -> :class:`ByteTokenizer`; otherwise a transformers tokenizer by local path (offline) or hub name
     (downloaded once into the Hugging Face cache; with ``HF_HUB_OFFLINE=1`` only the cache is read). 'auto' is
-    resolved by :func:`tokenizer_source`. Raises ConfigError naming data.tokenizer when it cannot be loaded."""
-    name = tokenizer_source(name, init_from)
-    if name == "byte":
+    resolved by :func:`tokenizer_source`. Raises ConfigError naming data.tokenizer when it cannot be loaded, or
+    model.init_from when 'auto' took that checkpoint's tokenizer."""
+    source = tokenizer_source(name, init_from)
+    if source == "byte":
         return ByteTokenizer()
     from transformers import AutoTokenizer  # deferred: importing transformers costs ~1 s
 
     try:
-        return HFTokenizer(AutoTokenizer.from_pretrained(name))
+        return HFTokenizer(AutoTokenizer.from_pretrained(source))
     except (OSError, ValueError) as e:
-        raise ConfigError(f"data.tokenizer: cannot load '{name}': {first_line(e)}") from None
+        key = "model.init_from" if name == "auto" else "data.tokenizer"
+        also = " (its tokenizer, which data.tokenizer='auto' takes)" if name == "auto" else ""
+        raise ConfigError(f"{key}: cannot load '{source}'{also}: {first_line(e)}") from None
 
