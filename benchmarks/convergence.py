@@ -12,7 +12,7 @@ per parameter of the tiny preset, i.e. Chinchilla's 20):
     all-reduced in 16 bits, outer optimizer from the defaults (``diloco.outer_lr = auto``) unless given.
 
 Inner lr: ``--lr`` for every method unless ``--dp-lr`` is given for AdamW and ``--lr-for M:LR`` for DiLoCo M (each
-method at its own tuned lr, as the scaling-laws protocol tunes it; BENCHMARKS.md §4, 10f).
+method at its own tuned lr, as the scaling-laws protocol tunes it; benchmarks/learning-quality.md 7.6).
 Every run is evaluated on the same ``--eval-windows`` held-out windows of the ``--corpus``. Results are appended to
 ``--out`` as each run ends (a stopped study resumes). Prints a Markdown table of the median final eval loss over the
 seeds and draws eval loss against tokens (median over seeds at each point) to ``--plot``. Run:

@@ -45,7 +45,8 @@ from p2p_diloco.ops.metrics import read_jsonl
 from p2p_diloco.ops.swarm import DEMO_DEFAULTS, run_swarm, write_peer_config
 
 SLOWDOWNS = [1.0, 1.0, 2.0, 4.0]
-MEASURED_OUTER = {"diloco.outer_lr": 0.7, "diloco.outer_momentum": 0.9}  # the defaults when section 9 was measured
+# the outer defaults when the figures of benchmarks/heterogeneous.md were measured
+MEASURED_OUTER = {"diloco.outer_lr": 0.7, "diloco.outer_momentum": 0.9}
 ROUNDS_CLOCK = {"inner.lr_clock": "rounds"}  # what these methods were measured with (the default was then)
 REBASE = {"diloco.max_staleness": 4}
 DN = {"diloco.outer_optimizer": "delayed_nesterov", "diloco.dn_delay": 4}

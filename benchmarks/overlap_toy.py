@@ -1,4 +1,4 @@
-"""Overlap on a noisy quadratic: why a round-late average needs a small outer momentum (BENCHMARKS.md section 10b).
+"""Overlap on a noisy quadratic: why a round-late average needs a small outer momentum (benchmarks/uplinks.md 2.2).
 
 M workers minimize ½‖θ‖² (θ ∈ R^50, θ_0 = 10·1). A round's inner steps move a worker's θ_local a share ``c`` of the
 way to the optimum, plus noise. The outer step, the overlap bookkeeping and the order of operations are the real

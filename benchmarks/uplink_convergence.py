@@ -242,7 +242,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=5, help="rounds between evaluations (default 5)")
     parser.add_argument("--shard", default="0/1", help="i/n: run every n-th (variant, seed) from the i-th")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="diloco.outer_lr (default 0.7: what the results "
-                        "in BENCHMARKS.md were measured with, before 'auto' became the default)")
+                        "in benchmarks/uplinks.md were measured with, before 'auto' became the default)")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="diloco.outer_momentum (default 0.9)")
     parser.add_argument("--out", default="benchmarks/results/uplink_convergence.jsonl")
     parser.add_argument("--table", action="store_true", help="only print the table of --out")

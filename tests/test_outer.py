@@ -201,7 +201,8 @@ def test_rebase_moves_the_local_work_onto_the_new_global_params():
 # ------------------------------------------------------------------------------------------- the 'auto' rule
 
 def test_auto_outer_has_the_documented_values_for_every_size_and_h():
-    """ε = 0.5, β = 0.5 whatever M and H (BENCHMARKS.md §10: best or within 0.3 % at M 1, 2, 4 and H 10, 30)."""
+    """ε = 0.5, β = 0.5 whatever M and H (benchmarks/learning-quality.md 7.3: best or within 0.3 % at M 1, 2, 4 and
+    H 10, 30)."""
     for peers in (1, 2, 3, 4, 8, 64):
         for h in (1, 10, 30, 100, 500):
             assert auto_outer(peers, h) == (0.5, 0.5)

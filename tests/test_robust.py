@@ -212,7 +212,7 @@ def test_bad_values_of_the_new_keys_are_one_line_and_exit_2(arg, tmp_path):
 def test_one_attacker_of_four_the_robust_aggregator_keeps_the_loss_and_the_mean_does_not():
     """The learning claim, cheaply (in-process DiLoCo, tiny model, whole parameters as parts): peer3 flips its
     pseudo-gradient x -1000 from round 2; after 10 rounds the trimmed mean ends within 5 % of the run without it,
-    the plain mean far above (BENCHMARKS.md §12 has the swarm's figures for every aggregator)."""
+    the plain mean far above (benchmarks/robustness.md 9.2 has the swarm's figures for every aggregator)."""
     from p2p_diloco.config import load_config
     from p2p_diloco.train.reference import ReferenceDiLoCo
 

@@ -80,9 +80,9 @@ def test_a_bad_lr_for_is_one_line_and_exit_2(item, tmp_path):
 
 @pytest.mark.timeout(240)
 def test_the_swarm_engine_measures_what_the_reference_computes(tmp_path, process_tag):
-    """``--engine swarm`` (real peer processes, BENCHMARKS 10g) and ``--engine sim`` (the in-process reference the
-    study's tables mostly come from) give the same eval losses along the run when the swarm sends fp32; the swarm's
-    record also says that every round averaged every peer."""
+    """``--engine swarm`` (real peer processes, benchmarks/learning-quality.md 7.7) and ``--engine sim`` (the
+    in-process reference the study's tables mostly come from) give the same eval losses along the run when the
+    swarm sends fp32; the swarm's record also says that every round averaged every peer."""
     out = tmp_path / "study.jsonl"
     common = [sys.executable, "convergence.py", "--batch", "4", "--steps", "10", "--warmup", "1", "--seeds", "0",
               "--peers", "2", "--h", "5", "--eval-windows", "8", "--eval-points", "2", "--out", str(out),

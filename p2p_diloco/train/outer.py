@@ -147,13 +147,14 @@ def auto_outer(peers: int, inner_steps: int) -> tuple[float, float]:
     """(outer lr ε, outer momentum β) of ``diloco.outer_lr = "auto"`` / ``outer_momentum = "auto"`` for a run that
     expects ``peers`` peers and runs H = ``inner_steps`` inner steps per round. Pure.
 
-    ε = 0.5, β = 0.5 for every M and H: in our sweep (BENCHMARKS.md §10: tiny preset, 600 steps, M 1, 2, 4, H 10, 30,
-    100, i.e. 6 to 60 rounds) this was the best point or within 0.3 % of it at every (M, H) measured but M = 4,
-    H = 100 (6 rounds), where ε 0.7 ended 0.7 % lower. Its step on a steady pseudo-gradient, ε/(1 − β) = 1, is
-    plain averaging's; the papers' β = 0.9 (tuned over hundreds to thousands of rounds) ended 9-32 % above it. The scaling-laws paper's trend (arXiv 2503.09799: the best ε grows
-    with M, at β = 0.9) did not hold here: at M = 4, ε 0.7 ended 1.8 % and ε 1.0 17 % above ε 0.5 (β 0.5). M > 4
-    and runs of hundreds of rounds were not measured. For one replica, β = 0 was 0.6 points better on the 3.48M
-    preset (§10e) but not on the tiny one at each rule's best inner lr (§10f), so M = 1 keeps the same values. M and H
+    ε = 0.5, β = 0.5 for every M and H: in our sweep (benchmarks/learning-quality.md 7.3: tiny preset, 600 steps,
+    M 1, 2, 4, H 10, 30, 100, i.e. 6 to 60 rounds) this was the best point or within 0.3 % of it at every (M, H)
+    measured but M = 4, H = 100 (6 rounds), where ε 0.7 ended 0.7 % lower. Its step on a steady pseudo-gradient,
+    ε/(1 − β) = 1, is plain averaging's; the papers' β = 0.9 (tuned over hundreds to thousands of rounds) ended
+    9-32 % above it. The scaling-laws paper's trend (arXiv 2503.09799: the best ε grows with M, at β = 0.9) did not
+    hold here: at M = 4, ε 0.7 ended 1.8 % and ε 1.0 17 % above ε 0.5 (β 0.5). M > 4 and runs of hundreds of rounds
+    were not measured. For one replica, β = 0 was 0.6 points better on the 3.48M preset (7.5) but not on the tiny one
+    at each rule's best inner lr (7.6), so M = 1 keeps the same values. M and H
     stay arguments so that a rule measured over them can replace this one without changing callers.
     """
     if peers < 1 or inner_steps < 1:

@@ -2,8 +2,8 @@
 the inner steps instead of adding to them.
 
 Why a thread and not a process: the expensive part, the Rust tokenizer, releases the GIL while it encodes, and a
-thread shares the reader's resumable position without any copying. BENCHMARKS.md ("Real text") gives the tokenizer's
-throughput against what a GPU consumes. The order of batches is exactly the wrapped reader's, and
+thread shares the reader's resumable position without any copying. benchmarks/gpu.md (5.3, "Real text") gives the
+tokenizer's throughput against what a GPU consumes. The order of batches is exactly the wrapped reader's, and
 :meth:`Prefetcher.state_dict` is the position after the last batch *handed out*, so a checkpoint resumes exactly.
 """
 

@@ -6,7 +6,7 @@ inner steps on every replica, averages the pseudo-gradients with the weights a p
 optionally passes each contribution and the average through the run's wire codec (as the all-reduce does), applies
 the outer optimizer a peer builds to θ_global, and resets every replica to it. With the fp32 codec a real swarm's
 eval curve matches this one to float rounding (the order in which the all-reduce sums contributions varies); see
-BENCHMARKS.md §4. It is the study's cheap engine: no processes, no matchmaking, one thread.
+benchmarks/learning-quality.md 7.7 and 7.8. It is the study's cheap engine: no processes, no matchmaking, one thread.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ class MemberGate:
         # Hold the answer's future while we wait: hivemind keeps only a weak reference to it, and the handler that
         # waits on it may be reachable from nothing else, so that the garbage collector destroyed pending handlers
         # with their senders' streams ("Task was destroyed but it is pending!", a lost part, a failed round: several
-        # per minute in a private run of 2 members, BENCHMARKS.md section 13a).
+        # per minute in a private run of 2 members, benchmarks/private-runs.md, 10.3).
         future = None
         try:
             future = self.dht.run_coroutine(IsRevoked(peer.to_base58()), return_future=True)
