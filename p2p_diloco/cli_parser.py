@@ -27,6 +27,19 @@ class CommandParser(argparse.ArgumentParser):
     key_defaults: Optional[dict] = None     # the command's own defaults, shown as the keys' defaults
     key_exclude: tuple = ()                 # keys the command sets itself (swarm)
     show_all = False
+    intermixed = False  # positionals may sit on either side of options (a first positional that is optional)
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        # argparse alone gives an optional first positional the first chunk of positionals it meets, so that
+        # 'export RUN_DIR --round 3 OUT' would leave OUT over: collect the positionals around the options first
+        if not self.intermixed or self._intermixing:
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
 
     def format_help(self) -> str:
         if self.key_sections != []:
@@ -132,6 +145,7 @@ def build_parser(commands, version: str) -> argparse.ArgumentParser:
                    help="a peer's run folder, or a swarm's (its peers' folders inside); or --run-dir")
     e.add_argument("out", metavar="OUT", help="folder to write (must not exist, or be empty)")
     _run_dir(e, "the run folder (instead of RUN_DIR)", dest="run_dir_flag")
+    e.intermixed = True
     e.add_argument("--round", type=int, default=None,
                    help="that round, from a checkpoint at it or a peer's export (run.export_every); default: the "
                         "latest round saved")
@@ -154,6 +168,7 @@ def build_parser(commands, version: str) -> argparse.ArgumentParser:
     pl = command("plot", "Draw a run's metrics as PNGs: loss per peer, round timeline, group size and traffic.", [])
     pl.add_argument("run_dir", metavar="RUN_DIR", nargs="?", help="a peer's run folder, or a swarm's; or --run-dir")
     _run_dir(pl, "the run folder (instead of RUN_DIR)", dest="run_dir_flag")
+    pl.intermixed = True
     pl.add_argument("--out", metavar="DIR", default=None, help="folder for the PNGs (default: the run folder)")
 
     c = command("config", "List the config keys: type, default, unit, whether a run setting, and help.", [])

@@ -42,16 +42,16 @@ def check_network(net: NetworkConfig, listen: bool = True) -> None:
 
 
 def check_model(model: ModelConfig) -> None:
-    """``model.name`` is a preset or an existing path; ``model.init_from`` an existing folder or a hub name that can
-    be fetched (offline: one in the Hugging Face cache)."""
-    if not Path(model.name).expanduser().exists():
+    """``model.init_from`` is an existing folder or a hub name that can be fetched (offline: one in the Hugging Face
+    cache); without it, ``model.name`` is a preset or an existing path (init_from's architecture replaces it)."""
+    if model.init_from is not None:
+        _check_init_from(model.init_from)
+    elif not Path(model.name).expanduser().exists():
         presets = _preset_names()
         if model.name not in presets:
             close = difflib.get_close_matches(model.name, presets, n=1)
             hint = f": did you mean {close[0]}?" if close else f" (presets: {', '.join(presets)})"
             raise ConfigError(f"model.name: no preset or config file '{model.name}'{hint}")
-    if model.init_from is not None:
-        _check_init_from(model.init_from)
 
 
 def check_device(device: str) -> None:
