@@ -1,33 +1,33 @@
-"""A MODEL of DiLoCo rounds with N peers (no network, no training; nothing here was measured at N > 4): a seeded
-discrete-event simulation of round after round, projecting the round-commit rate, the wall time per round and the
+"""A MODEL of DiLoCo rounds with N peers (no network, no training; what it was checked against was measured at N <= 4):
+a seeded discrete-event simulation, round after round, of the round-commit rate, the wall time per round and the
 goodput from 16 to 1,024 peers, for today's all-or-nothing rounds and for survivable rounds.
 
-One round, as the simulation plays it (times in seconds, P = payload bytes on the wire, n = group size):
-  inner       DyLU: the fastest live peer runs H steps, every other floor(v_i / v_max x H), so all plan to end at
-              T = H / v_max; each arrives at T x exp(drift x z) (its speed this round differs from the one planned)
-  matchmaking the window opens at the first arrival and lasts the deadline of p2p_diloco/net/deadlines.py
-              (max(floor, 5 % of the median recent round)); peers arriving later miss the round (they fetch the
-              state and rebase their work); the group closes at its last arrival + mm_base + 2 rtt + mm_per_peer x n,
-              so matchmaking lasts the spread of the arrivals plus that overhead
-  all-reduce  butterfly: every member uploads and downloads 2(n-1)/n x P; the slowest link bounds it:
-              ar_base + 2 rtt + max_i 2(n-1)/n x P / min(up_i, down_i); past deadlines.py's allreduce_timeout the
-              round fails under either rule
-  losses      each member is lost during the round's averaging with probability p (death, or a stall past the
-              deadlines with probability stall_frac), at a uniform moment of its all-reduce; a death is noticed
-              after request_timeout, a stall after deadlines.py's next_chunk_timeout
-  today       any loss fails the round for every member at the first detection (commit rate (1-p)^n); members
-              keep their work (θ_local) for the next attempt
-  new         survivable: the survivors wait for the detection, re-reduce each lost reducer's part (every survivor
-              moves 2P/n more per lost part), and commit without the lost contributions
+One round (seconds; P = payload bytes on the wire, n = group size):
+  inner       DyLU: the fastest live peer runs H steps, every other floor(v_i / v_max x H): all plan to end at
+              T = H / v_max; each arrives at T x exp(drift x z) (its speed this round is not the one planned)
+  matchmaking the window opens at the first arrival and lasts p2p_diloco/net/deadlines.py's matchmaking_time
+              (max(floor, 5 % of the median recent round)); the group waits for every peer the roster lists (a dead
+              one until its entry expires, roster_ttl), or, one missing, to the window's end; later arrivals miss the
+              round (they fetch the state and rebase their work); then mm_base + 2 rtt + mm_per_peer x n
+  all-reduce  butterfly: every member uploads and downloads 2(n-1)/n x P, bound by the slowest link:
+              ar_base + 2 rtt + max_i 2(n-1)/n x P / min(up_i, down_i); past deadlines.py's allreduce_timeout
+              the round fails under either rule
+  losses      a member is lost during its all-reduce with probability p, a peer during its inner phase with
+              inner_loss x p (it never arrives): a stall past the deadlines with probability stall_frac, else a
+              death; a death is noticed after request_timeout, a stall after deadlines.py's next_chunk_timeout
+  today       a lost member fails the round for every member at the first detection (commit rate (1-p)^n);
+              members keep their work (θ_local) for the next attempt
+  new         survivable: the survivors wait for the detection, re-reduce each lost reducer's part (2P/n more per
+              survivor per lost part), and commit without the lost contributions
   quorum      under both rules a group commits only if its survivors are more than half of the peers live at the
               previous round (one θ_global per round)
-  churn       a dead peer restarts after restart_s, a stalled one thaws after stall_s, a peer leaves gracefully
-              after a round with probability leave_frac x p and a newcomer takes its place after restart_s; each
-              downloads P from its downlink before contributing; dead and stalled peers rebase their work
+  churn       a dead peer restarts after restart_s, a stalled one thaws after stall_s (both rebase their work); a
+              peer leaves after a round with probability leave_frac x p and a newcomer replaces it after restart_s;
+              each downloads P before contributing
 Goodput = inner compute that entered a committed θ_global within max_staleness round attempts of being done
-(diloco.max_staleness; older work is what a rebasing peer drops) / (N x wall time). The overheads mm_base, mm_per_peer,
-ar_base are fitted to local swarms with --fit (defaults below: what the committed 4-peer run gave; mm_per_peer is
-assumed, not fitted, until runs at two sizes exist).
+(diloco.max_staleness: older work is what a rebasing peer drops) / (N x wall time). mm_base, mm_per_peer, ar_base and
+sync are fitted to local swarms by --fit (the defaults: the committed 4-peer run; mm_per_peer is assumed until runs
+of two sizes exist).
 
 Run:
 
@@ -54,6 +54,7 @@ from p2p_diloco.net.deadlines import DeadlineEstimator  # noqa: E402  (pure: no 
 PEERS = (16, 32, 64, 128, 256, 512, 1024)
 P_LOSS = (0.001, 0.005, 0.02)
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
+POSITIVE = ("rounds", "inner_steps", "payload_bytes", "step_s", "uplink_mbps", "downlink_mbps", "part_size_bytes")
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,13 @@ class Params:
     p: float = 0.005                  # per member per round: lost during the round's averaging
     stall_frac: float = 0.3
     leave_frac: float = 0.25
+    inner_loss: float = 1.0           # losses during the inner phase, per peer per round, as a multiple of p
+    roster_ttl: float = 30.0          # averaging.roster_ttl: a lost peer's roster entry outlives it this long
     restart_s: float = 60.0
     stall_s: float = 120.0
     max_staleness: int = 4
+    kill_round: int = -1              # scripted: peer 0 dies in this round (0-based) at kill_phase; -1: none
+    kill_phase: str = "allreduce"     # inner, matchmaking or allreduce
 
 
 def _draw_peers(prm: Params, n: int, rng: np.random.Generator):
@@ -115,14 +120,14 @@ def simulate(prm: Params, n: int, rounds: int, rule: str, seed: int = 0) -> dict
     est = DeadlineEstimator(prm.allreduce_floor, prm.chunk_floor, prm.part_size_bytes, int(prm.payload_bytes),
                             matchmaking_floor=prm.matchmaking_floor)
     ready = np.zeros(n)                   # when each slot can start a round (synced)
+    listed = np.zeros(n)                  # until when a lost peer's roster entry still counts (roster_ttl)
     work = np.zeros(n)                    # inner seconds not yet in θ_global
     since = np.full(n, -1)                # attempt at which that work began (-1: none)
     now, useful, live_prev = 0.0, 0.0, n
     commits = quorum_fails = timeouts = 0
-    walls, log, waits, ars = [], [], [], []  # log: (group size, survivors, live at the previous round, committed)
+    log, waits, ars = [], [], []  # log: (group size, survivors, live at the previous round, committed, wall s)
     for k in range(rounds):
-        z, u_loss, u_kind, u_when, u_leave = (rng.standard_normal(n), rng.random(n), rng.random(n), rng.random(n),
-                                              rng.random(n))
+        z, (u_loss, u_kind, u_when, u_leave, u_inner) = rng.standard_normal(n), rng.random((5, n))
         live = ready <= now + 1e-9
         if live.sum() < 2:  # too few peers to average: wait for the next to come back
             now = float(np.min(ready[~live]))
@@ -131,20 +136,36 @@ def simulate(prm: Params, n: int, rounds: int, rule: str, seed: int = 0) -> dict
         # inner phase: DyLU plans every live peer to end at now + T; speed noise moves the arrivals
         t_inner = prm.inner_steps / speed[live].max()
         arrive = np.where(live, now + t_inner * np.exp(prm.drift_sigma * z), np.inf)
-        work[live] += arrive[live] - now
+        gone = live & (u_inner < prm.p * prm.inner_loss)  # lost during the inner phase: never arrives
+        if k == prm.kill_round and prm.kill_phase == "inner":
+            gone[0] = live[0]
+        gone_at = now + u_when * (arrive - now)
+        work[live] += np.where(gone, gone_at, arrive)[live] - now
         since[live & (since < 0)] = k
+        arrive[gone] = np.inf
+        listed[gone] = gone_at[gone] + prm.roster_ttl
         first = arrive.min()
-        member = arrive <= first + dl.matchmaking_time
+        window_end = first + dl.matchmaking_time
+        member = arrive <= window_end
         size = int(member.sum())
-        close = arrive[member].max() + prm.mm_base_s + 2 * prm.rtt_s + prm.mm_per_peer_s * size
+        # the group gathers every peer the roster lists (a dead peer until its entry expires): one missing, it waits
+        # out the whole window
+        expected = int((live & ~gone).sum() + ((~live | gone) & (listed > first)).sum())
+        gathered = arrive[member].max() if size >= expected else window_end
+        close = gathered + prm.mm_base_s + 2 * prm.rtt_s + prm.mm_per_peer_s * size
         moved = 2 * (size - 1) / size * prm.payload_bytes
         t_ar = prm.ar_base_s + 2 * prm.rtt_s + _transfer_s(prm, moved, size, up[member], down[member])
         lost = member & (u_loss < prm.p)
+        when = u_when.copy()
+        if k == prm.kill_round and prm.kill_phase != "inner" and member[0]:
+            lost[0], when[0] = True, 0.0 if prm.kill_phase == "matchmaking" else 0.5
         stall = lost & (u_kind < prm.stall_frac)
         detect = np.where(stall, dl.next_chunk_timeout, prm.request_timeout)
-        noticed = np.minimum(u_when * t_ar + detect, dl.allreduce_timeout)
+        noticed = np.minimum(when * t_ar + detect, dl.allreduce_timeout)
         survivors = member & ~lost
-        if t_ar > dl.allreduce_timeout:  # too slow for the deadline: no rule saves it
+        if size < 2:
+            ok, end = False, close
+        elif t_ar > dl.allreduce_timeout:  # too slow for the deadline: no rule saves it
             ok, end = False, close + dl.allreduce_timeout
             timeouts += 1
         elif not lost.any():
@@ -169,27 +190,43 @@ def simulate(prm: Params, n: int, rounds: int, rule: str, seed: int = 0) -> dict
         work[stale], since[stale] = 0.0, -1
         # who can start the next round when: stragglers fetch the state, the lost restart or thaw, leavers are replaced
         nxt = end + prm.sync_s
-        late = live & ~member
+        late = live & ~member & ~gone
         ready[late] = np.maximum(nxt, arrive[late] + fetch[late])
-        died = close + u_when * t_ar
-        ready[lost] = died[lost] + np.where(stall[lost], prm.stall_s, prm.restart_s) + fetch[lost]
-        leave = survivors & (u_leave < prm.p * prm.leave_frac)
+        died = np.where(gone, gone_at, close + when * t_ar)
+        lost |= gone
+        ready[lost] = died[lost] + np.where(stall[lost] | (gone & (u_kind < prm.stall_frac))[lost], prm.stall_s,
+                                            prm.restart_s) + fetch[lost]
+        listed[lost] = died[lost] + prm.roster_ttl
+        leave = survivors & (u_leave < prm.p * prm.leave_frac)  # announced: its roster entry goes at once
         ready[leave] = nxt + prm.restart_s + fetch[leave]
         work[leave], since[leave] = 0.0, -1  # a leaver's work is in θ_global or gone with it
         ready[member & ~lost & ~leave] = nxt
         est.observe_round(nxt - now)
-        walls.append(nxt - now)
-        log.append((size, int(survivors.sum()), live_prev, ok))
-        waits.append(float(np.median(end - arrive[member])))
+        log.append((size, int(survivors.sum()), live_prev, ok, nxt - now))
+        waits.append(float(np.median(end - arrive[member])) if size else 0.0)
         ars.append(t_ar)
         live_prev = int(live.sum())
         now = nxt
-    attempts = len(walls)
+    attempts = len(log)
     return {"n": n, "rule": rule, "p": prm.p, "attempts": attempts, "commits": commits,
             "commit_rate": commits / max(attempts, 1), "round_s": now / max(attempts, 1),
             "goodput": useful / (n * now) if now else 0.0, "quorum_fails": quorum_fails, "timeouts": timeouts,
             "group_sizes": [g[0] for g in log], "log": log, "wait_s": float(np.median(waits)) if waits else 0.0,
             "allreduce_s": float(np.median(ars)) if ars else 0.0}
+
+
+def crash_cost(prm: Params, n: int, phase: str, kill_round: int = 2) -> float:
+    """Seconds the survivors lose when peer 0 dies in round ``kill_round`` (0-based) at ``phase`` and stays dead, as
+    benchmarks/fault_cost.py measures it: the wall time from that round's start to the second commit after it, less
+    twice the median undisturbed round."""
+    out = simulate(replace(prm, p=0.0, restart_s=1e9, kill_round=kill_round, kill_phase=phase), n, kill_round + 6,
+                   "today")
+    spent, commits = 0.0, 0
+    for _, _, _, ok, wall in out["log"][kill_round:]:
+        spent, commits = spent + wall, commits + ok
+        if commits == 2:
+            break
+    return spent - 2 * float(np.median([entry[4] for entry in out["log"][:kill_round]]))
 
 
 def projection(prm: Params, peers, losses, rounds: int, seed: int) -> list[dict]:
@@ -290,6 +327,17 @@ def fit(runs: list[dict]) -> dict:
             "sync_s": _med([r["sync_s"] for r in runs]), "fitted_per_peer": several}
 
 
+def local_params(run: dict, fitted: dict, seed: int = 0) -> Params:
+    """The model of one local swarm: its payload, inner time and arrival spread as inputs, the fitted overheads, the
+    demo's deadlines (matchmaking 10 s, next chunk 15 s, requests 3 s, roster TTL 6 s), one host, no losses."""
+    n = run["n"]
+    spread_unit = float(np.mean(np.ptp(np.random.default_rng(seed).standard_normal((2000, n)), axis=1)))
+    return Params(payload_bytes=run["moved"] * n / (2 * (n - 1)), inner_steps=1, step_s=run["inner_s"],
+                  speed_sigma=0.0, drift_sigma=run["spread_s"] / run["inner_s"] / spread_unit, p=0.0,
+                  matchmaking_floor=10.0, chunk_floor=15.0, request_timeout=3.0, roster_ttl=6.0, rtt_s=0.0,
+                  **{k: v for k, v in fitted.items() if k != "fitted_per_peer"})
+
+
 def compare(runs: list[dict], fitted: dict, rounds: int, seed: int) -> str:
     """The model at each run's N (its payload, inner time and arrival spread as inputs) against what it measured."""
     lines = ["| N | rounds | what | measured | model | |", "|" + "---|" * 6]
@@ -299,15 +347,8 @@ def compare(runs: list[dict], fitted: dict, rounds: int, seed: int) -> str:
             lines.append(f"| {run['n']} | {run['rounds']} | wait s (summary only) | {run['wait_s']:.2f} | – | "
                          "no metrics.jsonl beside it |")
             continue
-        n = run["n"]
-        spread_unit = float(np.mean(np.ptp(np.random.default_rng(seed).standard_normal((sims, n)), axis=1)))
-        prm = Params(payload_bytes=run["moved"] * n / (2 * (n - 1)), inner_steps=1, step_s=run["inner_s"],
-                     speed_sigma=0.0, drift_sigma=run["spread_s"] / run["inner_s"] / spread_unit, p=0.0,
-                     matchmaking_floor=10.0, chunk_floor=15.0, request_timeout=3.0, rtt_s=0.0,
-                     **{k: v for k, v in fitted.items() if k != "fitted_per_peer"})
-        sim = simulate(prm, n, sims, "new", seed)
-        model = {"commit_rate": sim["commit_rate"], "wait_s": sim["wait_s"], "allreduce_s": sim["allreduce_s"],
-                 "round_s": sim["round_s"], "goodput": sim["goodput"]}
+        n, prm = run["n"], local_params(run, fitted, seed)
+        model = simulate(prm, n, sims, "new", seed)
         for key, label in (("commit_rate", "attempts committed"), ("wait_s", "matchmaking + all-reduce s"),
                            ("allreduce_s", "all-reduce s"), ("round_s", "round s"), ("goodput", "inner / round")):
             meas, mod = run[key], model[key]
@@ -324,21 +365,19 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _list(kind):
-    def parse(text):
-        try:
-            values = tuple(kind(x) for x in text.split(","))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a comma-separated list of {kind.__name__}: {text!r}")
-        return values
-    return parse
+def ints(text: str) -> tuple:
+    return tuple(int(x) for x in text.split(","))
+
+
+def floats(text: str) -> tuple:
+    return tuple(float(x) for x in text.split(","))
 
 
 def main(argv=None) -> int:
     ap = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=1000, help="round attempts per simulation (default 1000)")
-    ap.add_argument("--peers", type=_list(int), default=PEERS, help="N values (default 16,32,...,1024)")
-    ap.add_argument("--p", type=_list(float), default=P_LOSS, help="loss probabilities (default 0.001,0.005,0.02)")
+    ap.add_argument("--peers", type=ints, default=PEERS, help="N values (default 16,32,...,1024)")
+    ap.add_argument("--p", type=floats, default=P_LOSS, help="loss probabilities (default 0.001,0.005,0.02)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a smoke run: N up to 64, 40 rounds")
     ap.add_argument("--plot", metavar="FILE", help="draw commit rate and goodput against N (matplotlib)")
@@ -348,21 +387,21 @@ def main(argv=None) -> int:
     for field, value in asdict(Params()).items():
         if field not in ("p", "speeds", "host_bytes_per_s"):
             ap.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value, help=f"(default {value})")
-    ap.add_argument("--speeds", type=_list(float), default=(), help="relative peer speeds, cycled (replaces "
+    ap.add_argument("--speeds", type=floats, default=(), help="relative peer speeds, cycled (replaces "
                     "--speed-sigma)")
     args = ap.parse_args(argv)
     given = {f: getattr(args, f) for f in asdict(Params()) if f not in ("p", "host_bytes_per_s")}
-    positive = ("rounds", "inner_steps", "payload_bytes", "step_s", "uplink_mbps", "downlink_mbps", "part_size_bytes",
-                "speeds")
-    for name, value in [*vars(args).items(), *(("speeds", v) for v in args.speeds)]:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and (
-                not math.isfinite(value) or value < 0 or (value == 0 and name in positive)):
-            ap.error(f"--{name.replace('_', '-')}: must be a finite number, {'> 0' if name in positive else '>= 0'}")
-    for name, bad in (("peers", min(args.peers) < 2), ("p", not all(0 <= p < 1 for p in args.p)),
-                      ("stall-frac", args.stall_frac > 1)):
-        if bad:
-            ap.error(f"--{name}: " + {"peers": "every N must be >= 2", "p": "every p must be in [0, 1)",
-                                      "stall-frac": "must be at most 1"}[name])
+    ok = {name.replace("_", "-"): math.isfinite(value) and (value > 0 if name in POSITIVE else value >= 0)
+          for name, value in vars(args).items()
+          if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "kill_round"}
+    ok.update({"peers": min(args.peers) >= 2, "p": all(0 <= p < 1 for p in args.p), "speeds": min(args.speeds + (1,))
+               > 0, "stall-frac": ok["stall-frac"] and args.stall_frac <= 1,
+               "kill-phase": args.kill_phase in ("inner", "matchmaking", "allreduce")})
+    bad = next((name for name, good in ok.items() if not good), None)
+    if bad:
+        ap.error(f"--{bad}: " + {"peers": "every N must be >= 2", "p": "every p must be in [0, 1)", "stall-frac": "must "
+                 "be in [0, 1]", "kill-phase": "must be inner, matchmaking or allreduce"}.get(bad, "must be a finite "
+                 "number, " + ("> 0" if bad.replace("-", "_") in POSITIVE + ("speeds",) else ">= 0")))
     prm = Params(**given)
     peers, rounds = (tuple(n for n in args.peers if n <= 64), min(args.rounds, 40)) if args.quick else \
         (args.peers, args.rounds)
@@ -375,7 +414,11 @@ def main(argv=None) -> int:
         print("fitted to " + ", ".join(f"{r['path']} (N={r['n']}, {r['rounds']} rounds)" for r in runs))
         print(", ".join(f"{k} = {v:.4g}" for k, v in fitted.items() if k != "fitted_per_peer")
               + ("" if fitted["fitted_per_peer"] else " (one size: mm_per_peer_s assumed, ar_base_s set to 0)"))
-        print(compare(runs, fitted, rounds, args.seed) + "\n")
+        print(compare(runs, fitted, rounds, args.seed))
+        local = local_params(next(r for r in runs if r["detail"]), fitted, args.seed)
+        print("model: seconds the survivors lose when one of 3 peers is SIGKILLed (as benchmarks/fault_cost.py measures"
+              " it): " + ", ".join(f"{ph} {crash_cost(local, 3, ph):.1f}" for ph in ("inner", "matchmaking",
+                                                                                   "allreduce")) + "\n")
         prm = replace(prm, mm_base_s=fitted["mm_base_s"], mm_per_peer_s=fitted["mm_per_peer_s"],
                       ar_base_s=fitted["ar_base_s"], sync_s=fitted["sync_s"])
     begun = time.perf_counter()

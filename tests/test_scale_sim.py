@@ -25,11 +25,12 @@ FAST = Params(inner_steps=50, payload_bytes=20e6, restart_s=5.0, stall_s=10.0)  
 @pytest.mark.parametrize("n,p", [(4, 0.05), (8, 0.03), (16, 0.01)])
 def test_all_or_nothing_gives_the_closed_form(n, p):
     # lost peers are back by the next round and nobody leaves: every round's group is the whole swarm
-    out = simulate(replace(FAST, p=p, restart_s=0.0, stall_s=0.0, leave_frac=0.0), n, 2000, "today", seed=1)
+    out = simulate(replace(FAST, p=p, restart_s=0.0, stall_s=0.0, leave_frac=0.0, inner_loss=0.0), n, 2000, "today",
+                   seed=1)
     sizes = out["group_sizes"]
     # the chance that no member of each round's actual group was lost, (1 - p)^n when the whole swarm is in it (a
     # group of at most half the peers live at the previous round, after two peers of four died, cannot commit)
-    expected = sum((1 - p) ** g for g, _, live_prev, _ in out["log"] if 2 * g > live_prev) / len(sizes)
+    expected = sum((1 - p) ** g for g, _, live_prev, _, _ in out["log"] if 2 * g > live_prev) / len(sizes)
     sigma = math.sqrt(expected * (1 - expected) / out["attempts"])
     assert abs(out["commit_rate"] - expected) < 4 * sigma, (out["commit_rate"], expected, sigma)
     assert sum(g == n for g in sizes) / len(sizes) > 0.95  # the whole swarm: the closed form itself
@@ -58,7 +59,7 @@ def test_the_quorum_holds_when_stragglers_miss_the_window():
     prm = replace(FAST, drift_sigma=0.4, matchmaking_floor=1.0, p=0.0)
     out = simulate(prm, 16, 300, "new")
     assert out["quorum_fails"] > 0
-    for size, survivors, live_prev, ok in out["log"]:
+    for size, survivors, live_prev, ok, _ in out["log"]:
         assert not ok or 2 * survivors > live_prev
 
 
