@@ -63,6 +63,19 @@ def test_the_quorum_holds_when_stragglers_miss_the_window():
         assert not ok or 2 * survivors > live_prev
 
 
+def test_a_crash_costs_the_survivors_a_matchmaking_window_per_roster_listing():
+    # the demo's deadlines: a 10 s matchmaking window; a dead peer counts in the roster for roster_ttl seconds
+    local = replace(FAST, inner_steps=1, step_s=0.7, payload_bytes=1e6, host_bytes_per_s=3e7, speed_sigma=0.0,
+                    matchmaking_floor=10.0, request_timeout=1.0, rtt_s=0.0)
+    cost = {(ttl, phase): scale_sim.crash_cost(replace(local, roster_ttl=ttl), 3, phase)
+            for ttl in (0.1, 6.0, 15.0) for phase in ("inner", "allreduce")}
+    assert cost[(0.1, "inner")] < 1.0  # forgotten at once: nobody waits for it
+    assert 8.5 < cost[(6.0, "inner")] < 10.5  # the next round waits out one window
+    assert 18.0 < cost[(15.0, "inner")] < 20.5  # still listed a round later: two windows
+    for ttl in (0.1, 6.0, 15.0):  # a death mid-all-reduce also fails that round (today's rule)
+        assert cost[(ttl, "allreduce")] > cost[(ttl, "inner")] + 0.5
+
+
 def test_seeded_and_deterministic():
     a = simulate(replace(FAST, p=0.02), 16, 100, "new", seed=3)
     b = simulate(replace(FAST, p=0.02), 16, 100, "new", seed=3)
