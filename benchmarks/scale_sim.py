@@ -71,10 +71,10 @@ class Params:
     link_sigma: float = 0.5
     host_bytes_per_s: float = 0.0     # > 0: every peer on one host whose all-reduce moves this many bytes/s in all
     rtt_s: float = 0.05
-    mm_base_s: float = 0.06           # fitted: matchmaking after the last arrival (4-peer loopback swarm)
+    mm_base_s: float = 0.058          # fitted: matchmaking after the last arrival (4-peer loopback swarm)
     mm_per_peer_s: float = 0.005      # assumed: the leader answers one join request per member
     ar_base_s: float = 0.0            # fitted: fixed all-reduce cost (0: one size measured, all went to throughput)
-    sync_s: float = 0.14              # fitted: roster reads, pseudo-gradient and outer step per round
+    sync_s: float = 0.144             # fitted: roster reads, pseudo-gradient and outer step per round
     matchmaking_floor: float = 10.0   # averaging.matchmaking_time
     allreduce_floor: float = 600.0    # averaging.allreduce_timeout, raised for P on home links as its doc says
     chunk_floor: float = 30.0         # averaging.next_chunk_timeout
