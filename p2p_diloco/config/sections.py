@@ -13,8 +13,8 @@ from p2p_diloco.config.fields import AUTO, FloatOrAuto, _f, _non_negative, _posi
 @dataclass
 class ModelConfig:
     """The causal language model every peer of a run trains (identical on all peers)."""
-    name: str = _f("tiny", "preset (tiny, small, 60m, 150m, 400m, 1b) or a path to a Hugging Face config.json or "
-                   "its folder",
+    name: str = _f("tiny", "preset (tiny, small, 60m, 150m, 400m, 1b, 3b) or a path to a Hugging Face config.json "
+                   "or its folder",
                    shared=True)
     seq_len: int = _f(128, "sequence length of a training sample", "tokens", _positive, "must be > 0", shared=True)
     init_from: Optional[str] = _f(None, "start from a pretrained Hugging Face checkpoint: a local folder (saved with "
@@ -26,6 +26,13 @@ class ModelConfig:
     gradient_checkpointing: bool = _f(False, "recompute each layer's activations in the backward pass instead of "
                                       "keeping them: about a third more compute for much less memory (larger "
                                       "micro-batches; see peers/*.toml). A per-machine choice: results are the same")
+    loss_chunk: int = _f(0, "compute the training loss over chunks of this many token positions, recomputing each "
+                         "chunk's logits in the backward, so that the fp32 logits of a whole micro-batch (about "
+                         "seq_len x vocabulary x 6 bytes per sequence) never exist at once; 1024 is a good value. 0: "
+                         "the model's own loss (with run.compile: head and loss compiled as one function, which keeps "
+                         "no fp32 logits either). A per-machine choice: results equal up to rounding",
+                         "tokens", _non_negative, "must be >= 0")
+
 
 
 @dataclass
@@ -76,6 +83,11 @@ class InnerConfig:
     grad_accum: int = _f(1, "micro-batches accumulated per inner step", "micro-batches", _positive, "must be > 0")
     grad_clip: Optional[float] = _f(1.0, "clip the inner gradient to this global norm; None: no clipping", "",
                                     _positive, "must be > 0", shared=True)
+    optimizer_state: str = _f("fp32", "the inner AdamW's moments: fp32 (8 bytes per parameter) or 8bit (torchao's "
+                              "AdamW8bit, block-wise quantized: 2 bytes per parameter; needs the torchao package). A "
+                              "per-machine choice: members of one run may differ", choices=("fp32", "8bit"),
+                              check=lambda state: state != "8bit" or _installed("torchao"),
+                              rule="8bit needs the torchao package: pip install torchao")
     lr_clock: str = _f("steps", "what the lr schedule's step counts: 'steps': this peer's own inner steps (measured "
                        "better with DyLU: BENCHMARKS.md section 9); 'rounds': the run's progress, round x H plus the "
                        "share of this round's steps done, so every peer is at the same point of the schedule whatever "
