@@ -32,11 +32,9 @@ GENERATED = f"<!-- Generated from the code by `{COMMAND}`: do not edit by hand. 
 
 
 def command_defaults() -> dict[str, dict]:
-    """The commands that start from defaults of their own, and those defaults (key -> value)."""
-    from p2p_diloco.ops.bootstrap import DEFAULTS
-    from p2p_diloco.ops.swarm import DEMO_DEFAULTS
-
-    return {"bootstrap": DEFAULTS, "swarm": DEMO_DEFAULTS}
+    """The commands that start from defaults of their own, and those defaults (key -> value), as the parser holds
+    them (``key_defaults`` of a command's parser)."""
+    return {name: sub.key_defaults for name, _, sub in _commands(_parser()) if getattr(sub, "key_defaults", None)}
 
 
 # ---------------------------------------------------------------------------------------------- markdown helpers
@@ -142,7 +140,7 @@ def _help(action: argparse.Action, prog: str) -> str:
 def _argument(action: argparse.Action) -> str:
     if action.nargs == 0:
         return ""
-    metavar = action.metavar or (action.dest.upper() if action.option_strings else action.dest)
+    metavar = action.metavar or action.dest.upper()
     metavar = " ".join(metavar) if isinstance(metavar, tuple) else metavar
     if action.choices is not None and not action.metavar:
         metavar = "{" + ",".join(str(c) for c in action.choices) + "}"
@@ -174,25 +172,29 @@ def _options_table(parser: argparse.ArgumentParser, positional: bool) -> list[st
             continue
         name = action.dest.upper() if positional and not action.metavar else (action.metavar or action.dest)
         names = ", ".join(f"`{o}`" for o in action.option_strings) if not positional else f"`{name}`"
-        rows.append(f"| {names} | {_argument(action) if not positional else ''} | {_notes(action)} | "
+        rows.append(f"| {names} | {_argument(action)} | {_notes(action)} | "
                     f"{_help(action, parser.prog)} |")
     if not rows:
         return []
-    header = ["| argument | | notes | description |"] if positional else ["| flag | value | notes | description |"]
+    header = ["| argument | form | notes | description |"] if positional else ["| flag | value | notes | description |"]
     return header + ["|---|---|---|---|"] + rows + [""]
 
 
 def _config_keys(sub: argparse.ArgumentParser) -> str:
-    """Which config sections a command reads: all, those its ``--help`` lists (one ``[section]`` line each in its
-    epilog, as p2p_diloco.config.describe writes them), or none."""
-    if sub.get_default("reads_config") is False:
+    """Which config keys a command reads, as its parser holds them (cli_parser.CommandParser's ``key_sections``:
+    None every section, [] none; ``key_exclude``: keys the command sets itself)."""
+    sections = getattr(sub, "key_sections", [] if sub.get_default("reads_config") is False else None)
+    if sections == []:
         return "Takes no config keys."
-    listed = [name for name in SECTIONS if f"\n[{name}]" in "\n" + (sub.epilog or "")]
-    if not listed or len(listed) == len(SECTIONS):
-        return ("Config keys: every key of the [configuration reference](config.md), in `--config FILE` or as "
-                "`--section.key=value`.")
-    sections = ", ".join(f"[{name}](config.md#{name})" for name in listed)
-    return f"Config keys: those of {sections}, in `--config FILE` or as `--section.key=value`."
+    if sections is None:
+        text = "Config keys: every key of the [configuration reference](config.md)"
+    else:
+        text = "Config keys: those of " + ", ".join(f"[[{name}]](config.md#{name})" for name in sections)
+    text += ", in `--config FILE` or as `--section.key=value`"
+    excluded = getattr(sub, "key_exclude", ())
+    if excluded:
+        text += "; except " + ", ".join(f"`{key}`" for key in excluded) + ", which the command sets itself"
+    return text + "."
 
 
 def cli_reference() -> str:
