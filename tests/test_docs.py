@@ -92,7 +92,8 @@ def links(text: str) -> list[tuple[int, str]]:
 
 def slug(heading: str) -> str:
     """GitHub's anchor of a heading: its text, lower-case, without punctuation but - and _, spaces made -."""
-    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()  # a link's text only
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text only
+    text = re.sub(r"<[^>]+>", "", text).strip().lower()  # and no HTML tags
     kept = "".join(c for c in text if c in "-_ " or unicodedata.category(c)[0] in "LNM")
     return kept.replace(" ", "-")
 
