@@ -2,8 +2,8 @@
 files that exist and link to pages and headings that exist, their config tables state the code's defaults, and
 pyproject.toml declares every package p2p_diloco imports.
 
-Which text counts as a repository path (:func:`path_problems`): an inline code span of a page (fenced blocks are
-not read) is split on whitespace; each word, without surrounding quotes and punctuation, and without a trailing
+Which text counts as a repository path (:func:`path_problems`): the code of a page (inline code spans, and the
+lines of fenced code blocks: commands, imports) is split on whitespace; each word, without surrounding quotes and punctuation, and without a trailing
 ``:LINE``, ``::test_name`` or ``#anchor``, names a file of the repository when
   * its first ``/``-separated part is a top-level entry of the repository (``p2p_diloco/...``, ``tests/...``,
     ``benchmarks/...``, ``docs/...``, ``peers/...``, ``bootstrap/...``, ``tools/...``, ``README.md``, ...): it must
@@ -58,13 +58,13 @@ def _generator():
 FENCE = re.compile(r"^\s*(```|~~~)")
 
 
-def prose_lines(text: str) -> list[tuple[int, str]]:
-    """(line number, line) of the lines outside fenced code blocks."""
+def prose_lines(text: str, fenced_ones: bool = False) -> list[tuple[int, str]]:
+    """(line number, line) of the lines outside fenced code blocks (or, ``fenced_ones``, inside them)."""
     out, fenced = [], False
     for number, line in enumerate(text.splitlines(), 1):
         if FENCE.match(line):
             fenced = not fenced
-        elif not fenced:
+        elif fenced == fenced_ones:
             out.append((number, line))
     return out
 
@@ -74,7 +74,9 @@ LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"
 
 
 def code_spans(text: str) -> list[tuple[int, str]]:
-    return [(n, m.group(2).strip()) for n, line in prose_lines(text) for m in CODE_SPAN.finditer(line)]
+    """(line, code) of the inline code spans and of the lines of fenced code blocks."""
+    spans = [(n, m.group(2).strip()) for n, line in prose_lines(text) for m in CODE_SPAN.finditer(line)]
+    return sorted(spans + prose_lines(text, fenced_ones=True))
 
 
 REFERENCE_LINK = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?([^\s>]+)")
