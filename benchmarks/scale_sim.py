@@ -54,6 +54,8 @@ from p2p_diloco.net.deadlines import DeadlineEstimator  # noqa: E402  (pure: no 
 PEERS = (16, 32, 64, 128, 256, 512, 1024)
 P_LOSS = (0.001, 0.005, 0.02)
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
+TIMINGS = ("time", "outer/allreduce_s", "outer/allreduce_only_s", "outer/bytes_sent", "outer/bytes_received",
+           "time/inner_s", "time/round_s", "time/wait_s")
 POSITIVE = ("rounds", "inner_steps", "payload_bytes", "step_s", "uplink_mbps", "downlink_mbps", "part_size_bytes")
 
 
@@ -275,15 +277,19 @@ def read_run(path: str) -> dict:
     summary = json.loads(Path(path).read_text())
     if not isinstance(summary, dict) or not isinstance(summary.get("rounds"), list):
         raise ValueError(f"{path}: not a swarm summary.json (no 'rounds' list)")
-    recs = []
+    recs = []  # every round record that carries the timings (a peer killed mid-line leaves a torn last line)
     for f in sorted(Path(path).parent.glob("*/metrics.jsonl")):
-        recs += [r for r in map(json.loads, f.read_text().splitlines()) if r.get("event") == "round"]
+        lines = [line for line in f.read_text().splitlines() if line.strip().endswith("}")]
+        recs += [r for r in map(json.loads, lines) if r.get("event") == "round" and all(r.get(k) is not None
+                                                                                      for k in TIMINGS)]
     n = len(summary.get("peers") or []) or max((r["group_size"] for r in summary["rounds"]), default=0)
     run = {"path": path, "n": n, "rounds": len(summary["rounds"]), "detail": bool(recs)}
     if not recs:  # summary only: the all-reduce time includes matchmaking; no inner or round times
         run.update(wait_s=_med([r["allreduce_s"] for r in summary["rounds"]]))
         return run
-    done = [r for r in recs if r["committed"]]
+    done = [r for r in recs if r.get("committed")]
+    if not done:
+        raise ValueError(f"{path}: no committed round in the peers' metrics")
     per_round: dict[int, list[dict]] = {}
     for r in done:
         per_round.setdefault(r["round"], []).append(r)

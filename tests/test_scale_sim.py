@@ -101,6 +101,18 @@ def test_fit_reads_a_real_swarm():
     assert round_row.endswith("agree |")
 
 
+def test_fit_of_two_sizes_recovers_the_per_peer_costs():
+    # runs on one host: matchmaking 0.05 + 0.01 N s; all-reduce 0.2 s + (N x bytes moved) / 40 MB/s
+    def run(n):
+        moved = 2 * (n - 1) / n * 1e6
+        return {"n": n, "detail": True, "mm_s": 0.05 + 0.01 * n, "moved": moved,
+                "allreduce_s": 0.2 + n * moved / 40e6, "sync_s": 0.1}
+    fitted = scale_sim.fit([run(8), run(16), run(32)])
+    assert fitted["fitted_per_peer"]
+    assert fitted["mm_base_s"] == pytest.approx(0.05) and fitted["mm_per_peer_s"] == pytest.approx(0.01)
+    assert fitted["ar_base_s"] == pytest.approx(0.2) and fitted["host_bytes_per_s"] == pytest.approx(40e6)
+
+
 def test_quick_run_prints_the_table_and_plot(tmp_path, capsys):
     assert scale_sim.main(["--quick", "--plot", str(tmp_path / "p.png"), "--json", str(tmp_path / "r.json")]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
