@@ -1,33 +1,21 @@
-"""A MODEL of DiLoCo rounds with N peers (no network, no training; what it was checked against was measured at N <= 4):
-a seeded discrete-event simulation, round after round, of the round-commit rate, the wall time per round and the
-goodput from 16 to 1,024 peers, for today's all-or-nothing rounds and for survivable rounds.
+"""A MODEL of DiLoCo rounds with N peers (no network, no training; checked against swarms of N <= 4): a seeded
+discrete-event simulation of the round-commit rate, the wall time per round and the goodput from 16 to 1,024 peers,
+for today's all-or-nothing rounds and for survivable ones. The model in full, and its checks: benchmarks/scale.md.
 
-One round (seconds; P = payload bytes on the wire, n = group size):
-  inner       DyLU: the fastest live peer runs H steps, every other floor(v_i / v_max x H): all plan to end at
-              T = H / v_max; each arrives at T x exp(drift x z) (its speed this round is not the one planned)
-  matchmaking the window opens at the first arrival and lasts p2p_diloco/net/deadlines.py's matchmaking_time
-              (max(floor, 5 % of the median recent round)); the group waits for every peer the roster lists (a dead
-              one until its entry expires, roster_ttl), or, one missing, to the window's end; later arrivals miss the
-              round (they fetch the state and rebase their work); then mm_base + 2 rtt + mm_per_peer x n
-  all-reduce  butterfly: every member uploads and downloads 2(n-1)/n x P, bound by the slowest link:
-              ar_base + 2 rtt + max_i 2(n-1)/n x P / min(up_i, down_i); past deadlines.py's allreduce_timeout
-              the round fails under either rule
-  losses      a member is lost during its all-reduce with probability p, a peer during its inner phase with
-              inner_loss x p (it never arrives): a stall past the deadlines with probability stall_frac, else a
-              death; a death is noticed after request_timeout, a stall after deadlines.py's next_chunk_timeout
-  today       a lost member fails the round for every member at the first detection (commit rate (1-p)^n);
-              members keep their work (θ_local) for the next attempt
-  new         survivable: the survivors wait for the detection, re-reduce each lost reducer's part (2P/n more per
-              survivor per lost part), and commit without the lost contributions
-  quorum      under both rules a group commits only if its survivors are more than half of the peers live at the
-              previous round (one θ_global per round)
-  churn       a dead peer restarts after restart_s, a stalled one thaws after stall_s (both rebase their work); a
-              peer leaves after a round with probability leave_frac x p and a newcomer replaces it after restart_s;
-              each downloads P before contributing
-Goodput = inner compute that entered a committed θ_global within max_staleness round attempts of being done
-(diloco.max_staleness: older work is what a rebasing peer drops) / (N x wall time). mm_base, mm_per_peer, ar_base and
-sync are fitted to local swarms by --fit (the defaults: the committed 4-peer run; mm_per_peer is assumed until runs
-of two sizes exist).
+One round (P = payload bytes on the wire, n = group size):
+  inner       DyLU: every peer plans to end at T = H / v_max and arrives at T x exp(drift x z)
+  matchmaking the window of p2p_diloco/net/deadlines.py opens at the first arrival; the group waits for every peer
+              the roster lists (a dead one until roster_ttl), else to the window's end; then mm_base + 2 rtt +
+              mm_per_peer x n; later arrivals miss the round, fetch the state and rebase
+  all-reduce  every member moves 2(n-1)/n x P each way, bound by the slowest link (plus ar_base + 2 rtt)
+  losses      a member is lost in its all-reduce with probability p, a peer in its inner phase with inner_loss x p
+              (a stall with probability stall_frac, noticed after next_chunk_timeout; else a death, after
+              request_timeout); dead peers restart, stalled ones thaw, leavers are replaced, all download P first
+  today       a loss fails the round for every member (commit rate (1-p)^n); work stays in θ_local
+  new         the survivors re-reduce each lost reducer's part and commit without the lost contributions
+  quorum      both rules commit only with more than half of the peers live at the previous round
+Goodput = inner compute that entered θ_global within max_staleness attempts / (N x wall time). The overheads are
+fitted to local swarms by --fit (defaults: the committed 4-peer run; mm_per_peer is assumed until two sizes exist).
 
 Run:
 
@@ -260,10 +248,8 @@ def plot(rows: list[dict], path: str) -> None:
             for ax, key in zip(axes, ("commit_rate", "goodput")):
                 ax.plot(ns, [100 * r[key] for r in sel], style, marker="o", color=f"C{i}", label=f"{rule}, p={p:.1%}")
     for ax, title in zip(axes, ("round-commit rate (%)", "goodput: inner compute committed / wall (%)")):
+        ax.set(xlabel="peers N", title=title, ylim=(-3, 103))
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("peers N")
-        ax.set_title(title)
-        ax.set_ylim(-3, 103)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("scale_sim.py (a model): all-or-nothing rounds (today, dashed) vs survivable rounds (new, solid)")
