@@ -23,4 +23,4 @@ def test_help(script):
 def test_every_benchmark_is_covered():
     assert {p.stem for p in BENCHMARKS} >= {"allreduce_link", "utilization", "overhead", "convergence", "join_cost",
                                              "fault_cost", "nat", "heterogeneous", "gpu", "memory_model",
-                                             "data_rate"}
+                                             "data_rate", "big_models"}

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from p2p_diloco.config import ConfigError, InnerConfig
+from p2p_diloco.train.memory import make_optimizer, set_lr
 
 
 def lr_at(step: float, cfg: InnerConfig, total_steps: Optional[int]) -> float:
@@ -56,7 +57,8 @@ class InnerTrainer:
     """AdamW on ``model`` (whose parameters must already be on ``device``), stepping the lr schedule.
 
     Weight decay applies to matrices and embeddings only; norm gains (1-D tensors) are not decayed (nanoGPT's rule).
-    bf16 autocast and fused AdamW on CUDA; fp32 and torch's default AdamW on the CPU. ``step_count`` counts inner
+    bf16 autocast and fused AdamW on CUDA; fp32 and torch's default AdamW on the CPU; AdamW with 8-bit moments with
+    ``cfg.optimizer_state`` "8bit" (train/memory.py). ``step_count`` counts inner
     steps done and drives the schedule. ``forward`` is the module that computes the loss, when it wraps ``model``
     (DistributedDataParallel on a multi-GPU peer: then gradients are averaged over the ranks at the last
     micro-batch of each step).
@@ -67,16 +69,14 @@ class InnerTrainer:
         self.model, self.cfg, self.device, self.total_steps = model, cfg, device, total_steps
         self.forward = forward if forward is not None else model
         self.step_count = 0
-        # fused: one kernel for the whole update on CUDA; None keeps torch's default elsewhere
-        self.optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                                           betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda" or None)
+        self.optimizer = make_optimizer(_param_groups(model, cfg.weight_decay), cfg.optimizer_state, cfg.lr,
+                                        (cfg.beta1, cfg.beta2), device)
 
     def step(self, next_batch: Callable[[], torch.Tensor], position: Optional[float] = None) -> StepResult:
         """One inner step over ``cfg.grad_accum`` micro-batches from ``next_batch`` (LongTensor [B, T]). The lr is
         that of schedule step ``position`` if given (the run's progress), else of ``step_count`` (our own steps)."""
         lr = lr_at(self.step_count if position is None else position, self.cfg, self.total_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         loss, tokens = self._accumulate(next_batch)
         grad_norm = None

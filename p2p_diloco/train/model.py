@@ -56,6 +56,11 @@ PRESETS: dict[str, dict] = {
     # TinyLlama-1.1B's shape (grouped-query attention, untied head): ~1.1B parameters with a 32k vocabulary
     "1b": dict(num_hidden_layers=22, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
                intermediate_size=5632, max_position_embeddings=2048, tie_word_embeddings=False),
+    # Llama-3.2-3B's shape (grouped-query attention, tied head): ~2.97B parameters with gpt2's 50257 tokens, ~2.92B
+    # with 32k; 6·N + 12·L·d·T = 18.5 GFLOPs per token at 1024 tokens and 50257 (train/flops.py). One 24 GB card
+    # trains it with the memory options (benchmarks/big-models.md)
+    "3b": dict(num_hidden_layers=28, hidden_size=3072, num_attention_heads=24, num_key_value_heads=8,
+               intermediate_size=8192, max_position_embeddings=2048, tie_word_embeddings=True),
 }
 """Keyword arguments for :class:`transformers.LlamaConfig`, without ``vocab_size`` (it comes from the tokenizer)."""
 

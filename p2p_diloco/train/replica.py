@@ -31,6 +31,7 @@ from p2p_diloco.config import Config, RunConfig
 from p2p_diloco.train.data import Data, build_data
 from p2p_diloco.train.flops import flops_per_token, mfu, peak_flops
 from p2p_diloco.train.inner import InnerTrainer, StepResult, resolve_device, schedule_total_steps
+from p2p_diloco.train.memory import compile_regions, loss_module
 from p2p_diloco.train.model import build_model
 from p2p_diloco.train.transfer import DeltaTransfer, flat_view, flatten_parameters, load_params
 
@@ -76,10 +77,8 @@ class Training:
 
 
 def build_training(cfg: Config, name: str, ranks: Optional[Ranks]) -> Training:
-    """Device, this rank's data (rank r > 0 reads the order of ``name/rank{r}``), the model on the device (its
-    parameters one flat buffer; gradient checkpointing and torch.compile if configured) and the inner loop (DDP
-    around the model on a multi-process peer). Every rank must call it at the same point: DDP's set-up is a
-    collective."""
+    """Device, this rank's data (rank r > 0 reads the order of ``name/rank{r}``), the model on the device and the
+    inner loop (:func:`build_inner`). Every rank must call it at the same point: DDP's set-up is a collective."""
     device = resolve_device(cfg.run.device, ranks.local_rank if ranks else None)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast (none in the hot path)
@@ -87,21 +86,29 @@ def build_training(cfg: Config, name: str, ranks: Optional[Ranks]) -> Training:
     data_name = name if ranks is None or ranks.rank == 0 else f"{name}/rank{ranks.rank}"
     data = build_data(cfg.data, cfg.model.seq_len, cfg.inner.batch_size, data_name, cfg.model.init_from)
     model = build_model(cfg.model, data.vocab_size, cfg.run.seed).to(device)
+    return Training(device, data, model, build_inner(cfg, model, device, ranks))
+
+
+def build_inner(cfg: Config, model: torch.nn.Module, device: torch.device, ranks: Optional[Ranks]) -> InnerTrainer:
+    """The inner loop on ``model`` (already on ``device``) with this machine's memory options: gradient
+    checkpointing, the parameters made one flat buffer, the chunked loss, torch.compile by regions
+    (train/memory.py), DDP around the loss's module on a multi-process peer, AdamW (8-bit moments if configured)."""
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     flatten_parameters(model)
+    loss = loss_module(model, cfg.model.loss_chunk, compiled=cfg.run.compile)
     if cfg.run.compile:
-        model.compile()
-    forward = None
+        compile_regions(model, loss)
+    forward = loss if loss is not model else None
     if ranks is not None:
         from torch.nn.parallel import DistributedDataParallel
 
         # buffers (rotary frequencies) are computed identically everywhere: no per-step broadcast of them;
         # gradients as views of DDP's buckets: no second copy of them (4 bytes per parameter)
-        forward = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+        forward = DistributedDataParallel(loss, device_ids=[device.index] if device.type == "cuda" else None,
                                           broadcast_buffers=False, gradient_as_bucket_view=True)
     total = schedule_total_steps(cfg.inner, cfg.run.rounds, cfg.diloco.inner_steps)
-    return Training(device, data, model, InnerTrainer(model, cfg.inner, device, total, forward=forward))
+    return InnerTrainer(model, cfg.inner, device, total, forward=forward)
 
 
 def share_setup(name: str, cfg: Config, ranks: Optional[Ranks]) -> tuple[str, Config]:
@@ -191,7 +198,7 @@ class Replica:
         the GIL) waits for gloo's thread, which may itself wait for the GIL to free a tensor: a deadlock at exit."""
         import torch.distributed as dist
 
-        self.inner.forward = self.model
+        self.inner.forward = getattr(self.inner.forward, "module", self.inner.forward)  # the loss module stays
         gc.collect()
         dist.destroy_process_group()
         self.ranks = None

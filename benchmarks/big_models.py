@@ -1,0 +1,404 @@
+"""Big models on small GPUs: per preset, with the GPU capped to 24 GiB (``torch.cuda.set_per_process_memory_fraction``,
+so that a data-centre GPU stands for a home card) and uncapped: does it fit, the micro-batch, peak memory, tokens/s
+and MFU, for two loops on the same GPU in the same process:
+
+  * peer: the peer's own inner loop (``p2p_diloco.train.replica.build_inner`` and ``InnerTrainer.step``: flat
+    parameters, AdamW, gradient clipping, one sync per step) with the memory options of train/memory.py: the AdamW
+    moments in 8 bits (torchao, if importable), the chunked loss (``--loss-chunk`` positions), torch.compile by
+    regions; gradient checkpointing only where micro-batch 1 does not fit without it;
+  * reference: the best plain loop a user could write with the same libraries: bf16 autocast, each decoder layer
+    torch.compiled, the loss (head, fp32 upcast, cross-entropy) one compiled function (no fp32 logits kept), fused
+    fp32 AdamW, gradient clipping; the same rule for checkpointing.
+
+Each loop searches its micro-batch: powers of two from 2 (1 if 2 does not fit), each measured with ``--warmup``
+untimed and ``--steps`` timed steps on random tokens (the loss's cost does not depend on the text), until one runs
+out of memory, gains under 3 %, or the search's time box ends; the best tokens/s is reported. The capped search runs
+first; the uncapped one goes on from there with the same model where the loop's options stay the same (the peer's
+change: capped, 8-bit moments and the chunked loss; uncapped, fused fp32 AdamW and the loss compiled in one piece).
+Compiled code is shape-generic (``assume_static_by_default = False``), so a search compiles once. MFU: 6·N + 12·L·d·T
+FLOPs per token over the device's bf16 peak (train/flops.py). Results go to ``--json`` after every loop, so a run
+cut short keeps what it measured. No hivemind is imported: only torch and transformers (and torchao) are needed.
+
+Run:
+
+    python benchmarks/big_models.py --json benchmarks/results/gpu/big-models-h100.json   # on a GPU, ~6 min on an H100
+    python benchmarks/big_models.py --smoke --json /tmp/big.json      # the tiny preset on the CPU: the code path only
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.util
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project, when run from a bare checkout
+
+GIB = 2 ** 30
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="400m,1b,3b", help="comma-separated, smallest first (default 400m,1b,3b)")
+    parser.add_argument("--caps", default="24,0", help="GiB caps of the GPU, 0 for none, capped first (default 24,0)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
+    parser.add_argument("--vocab", type=int, default=50257, help="vocabulary (default 50257, gpt2's)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per micro-batch (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per micro-batch (default 2)")
+    parser.add_argument("--max-batch", type=int, default=64, help="largest micro-batch tried (default 64)")
+    parser.add_argument("--search-s", type=float, default=60.0, help="time box of one micro-batch search, s")
+    parser.add_argument("--budget-s", type=float, default=330.0, help="stop starting new searches after this, s")
+    parser.add_argument("--loss-chunk", type=int, default=2048, help="the capped peer's model.loss_chunk (default "
+                        "2048; uncapped: --uncapped-loss-chunk)")
+    parser.add_argument("--optimizer-state", default="auto", choices=("auto", "fp32", "8bit"),
+                        help="the capped peer's inner.optimizer_state; auto: 8bit where torchao works (default)")
+    parser.add_argument("--uncapped-loss-chunk", type=int, default=0, help="the uncapped peer's model.loss_chunk "
+                        "(default 0: the whole loss compiled in one piece, fastest where memory allows)")
+    parser.add_argument("--uncapped-optimizer-state", default="fp32", choices=("fp32", "8bit"),
+                        help="the uncapped peer's inner.optimizer_state (default fp32: fused AdamW)")
+    parser.add_argument("--no-compile", action="store_true", help="run both loops eagerly")
+    parser.add_argument("--loops", default="peer,reference", help="comma-separated (default peer,reference)")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--json", help="write the results here (JSON)")
+    parser.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, eager, 2 steps: the code path")
+    args = parser.parse_args()
+    if args.smoke:
+        args.presets, args.caps, args.seq_len, args.vocab, args.device = "tiny", "24,0", 64, 512, "cpu"
+        args.steps, args.warmup, args.max_batch, args.no_compile, args.loss_chunk = 2, 1, 2, True, 48
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device here (use --smoke or --device cpu)")
+    if args.optimizer_state == "auto":
+        problem = torchao_problem(torch.device(args.device))
+        args.optimizer_state = "fp32" if problem else "8bit"
+        if problem:
+            print(f"peer: fp32 AdamW moments, torchao's AdamW8bit is unusable here: {problem}", flush=True)
+    return args
+
+
+def torchao_problem(device: torch.device):
+    """None if torchao's AdamW8bit takes a step on ``device`` here, else why not (one line)."""
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed"
+    try:
+        from torchao.optim import AdamW8bit
+
+        p = torch.nn.Parameter(torch.ones(4096, device=device))
+        p.grad = torch.full_like(p, 0.5)
+        AdamW8bit([p], lr=0.1).step()
+        assert p.detach().max().item() < 1.0, "the step did not move the parameter"
+    except Exception as e:  # an incompatible build: the peer then runs fp32 moments, and the rows say so
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def fresh_model(preset: str, args, device: torch.device) -> torch.nn.Module:
+    """The preset's model, initialized on the device (seconds even for 3B; the values do not matter for speed)."""
+    from transformers import AutoModelForCausalLM
+
+    from p2p_diloco.train.model import preset_config
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(preset_config(preset, args.vocab, args.seq_len),
+                                                attn_implementation="sdpa", dtype=torch.float32)
+
+
+def peer_options(args, cap: float) -> tuple[str, int]:
+    """(inner.optimizer_state, model.loss_chunk) of the peer: a capped card saves memory, an uncapped one time."""
+    if cap:
+        return args.optimizer_state, args.loss_chunk
+    return args.uncapped_optimizer_state, args.uncapped_loss_chunk
+
+
+def peer_loop(preset: str, args, device: torch.device, checkpointing: bool, options: tuple[str, int]):
+    """The peer's inner loop (build_inner + InnerTrainer.step) with the memory options: (model, step function)."""
+    from p2p_diloco.config import load_config
+    from p2p_diloco.train.replica import build_inner
+
+    state, chunk = options
+    cfg = load_config(overrides={
+        "model.name": preset, "model.seq_len": str(args.seq_len), "model.loss_chunk": str(chunk),
+        "model.gradient_checkpointing": str(checkpointing).lower(), "inner.optimizer_state": state,
+        "run.compile": str(not args.no_compile).lower(), "inner.warmup_steps": "10", "run.device": args.device})
+    model = fresh_model(preset, args, device)
+    inner = build_inner(cfg, model, device, ranks=None)
+    return model, lambda x: inner.step(lambda: x).loss
+
+
+def _fused_loss(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    logits = torch.nn.functional.linear(hidden[:, :-1], weight).float()
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+def reference_loop(preset: str, args, device: torch.device, checkpointing: bool, options=None):
+    """The best plain loop a user could write: compiled layers, one compiled loss function, fused AdamW."""
+    model = fresh_model(preset, args, device)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    loss_fn = _fused_loss
+    if not args.no_compile:
+        for layer in model.model.layers:
+            layer.compile()
+        loss_fn = torch.compile(_fused_loss)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda" or None)
+    cast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+    def step(x: torch.Tensor) -> float:
+        with cast:
+            hidden = model.model(input_ids=x, use_cache=False).last_hidden_state
+            loss = loss_fn(hidden, model.get_output_embeddings().weight, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return model, step
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(step, model, batch: int, args, device: torch.device):
+    """tokens/s and peak memory of ``batch`` sequences per step; None when it runs out of memory."""
+    x = torch.randint(0, args.vocab, (batch, args.seq_len), device=device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    out_of_memory = False
+    try:
+        for _ in range(args.warmup):
+            step(x)
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            loss = step(x)
+        _sync(device)
+        seconds = time.perf_counter() - start
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not _is_oom(e):
+            raise
+        out_of_memory = True  # freed below, once the exception (and the frames it holds) is gone
+    if out_of_memory:
+        del x
+        model.zero_grad(set_to_none=True)
+        _free(device)
+        return None
+    cuda = device.type == "cuda"
+    return {"micro_batch": batch, "tokens_per_s": batch * args.seq_len * args.steps / seconds, "train_loss": loss,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
+            "reserved_gib": torch.cuda.max_memory_reserved(device) / GIB if cuda else None}
+
+
+def set_cap(cap_gib: float, device: torch.device) -> None:
+    if device.type != "cuda":
+        return
+    _free(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total) if cap_gib else 1.0, device)
+
+
+class Search:
+    """One loop's micro-batch search on one model; the uncapped search goes on where the capped one stopped."""
+
+    def __init__(self, step, model, args, device, deadline: float):
+        self.step, self.model, self.args, self.device, self.deadline = step, model, args, device, deadline
+        self.results: list[dict] = []
+        self.next_batch, self.oom_at, self.saturated = 2, None, False
+
+    def run(self) -> None:
+        box = min(time.perf_counter() + self.args.search_s, self.deadline)
+        while not self.saturated and self.next_batch <= self.args.max_batch and time.perf_counter() < box:
+            r = measure(self.step, self.model, self.next_batch, self.args, self.device)
+            if r is None:
+                self.oom_at = self.next_batch
+                if self.next_batch == 2 and not self.results:
+                    r = measure(self.step, self.model, 1, self.args, self.device)
+                    if r is not None:
+                        self.results.append(r)
+                return
+            self.results.append(r)
+            best_before = max((q["tokens_per_s"] for q in self.results[:-1]), default=0.0)
+            self.next_batch *= 2
+            if best_before and r["tokens_per_s"] < 1.03 * best_before:
+                self.saturated = True  # larger micro-batches only take memory
+                return
+
+    def uncap(self) -> None:
+        """Go on past the batch that ran out of memory under the cap (a saturated search stays done)."""
+        if self.oom_at is not None:
+            self.next_batch, self.oom_at = self.oom_at, None
+
+    def best(self):
+        return max(self.results, key=lambda r: r["tokens_per_s"], default=None)
+
+
+def run_loop(loop: str, preset: str, args, device, caps: list[float], deadline: float, fpt_box: dict) -> list[dict]:
+    """Rows of one loop on one preset, one per cap: without checkpointing, else with it where batch 1 runs out. A
+    loop whose options do not change with the cap goes on with the same model and search."""
+    build = peer_loop if loop == "peer" else reference_loop
+    rows, search, built = [], None, None
+    for cap in caps:
+        set_cap(cap, device)
+        options = peer_options(args, cap) if loop == "peer" else None
+        result = None
+        for ckpt in (False, True):
+            if time.perf_counter() > deadline:
+                break
+            if search is None or built != (ckpt, options):
+                search = None
+                _free(device)
+                search, built = start_search(build, preset, args, device, ckpt, options, deadline, fpt_box), (
+                    ckpt, options)
+                if search is None:
+                    continue
+            else:
+                search.uncap()
+            search.run()
+            result = search.best()
+            if result is not None:
+                break
+            search = None  # nothing fits this way: drop the model before the next try
+            _free(device)
+        rows.append(row(loop, preset, cap, result, built, args, device, fpt_box.get("flops"),
+                        timed_out=time.perf_counter() > deadline))
+        print(format_row(rows[-1]), flush=True)
+    del search
+    _free(device)
+    return rows
+
+
+def start_search(build, preset, args, device, checkpointing, options, deadline, fpt_box):
+    """A Search on a freshly built loop; None when the model and its optimizer alone do not fit."""
+    from p2p_diloco.train.flops import flops_per_token
+
+    try:
+        model, step = build(preset, args, device, checkpointing, options)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not _is_oom(e):
+            raise
+        model = None
+    if model is None:
+        _free(device)
+        return None
+    fpt_box.setdefault("flops", flops_per_token(model, args.seq_len))
+    return Search(step, model, args, device, deadline)
+
+
+def row(loop, preset, cap, result, built, args, device, flops, timed_out) -> dict:
+    from p2p_diloco.train.flops import mfu, peak_flops
+
+    state, chunk = peer_options(args, cap) if loop == "peer" else ("fp32 (fused AdamW)", None)
+    loss = f"chunks of {chunk} positions" if chunk else "one eager function" if args.no_compile and loop != "peer" \
+        else "the model's own" if args.no_compile else "one compiled function"
+    out = {"preset": preset, "loop": loop, "cap_gib": cap or None, "fits": result is not None,
+           "gradient_checkpointing": built[0] if result is not None else None, "optimizer_state": state,
+           "loss_fn": loss,
+           "compiled": not args.no_compile, "flops_per_token": flops, "unmeasured": timed_out and result is None}
+    if result is not None:
+        out.update(result)
+        out["mfu"] = mfu(result["tokens_per_s"], flops, peak_flops(device))
+    return out
+
+
+def format_row(r: dict) -> str:
+    cap = f"{r['cap_gib']:g} GiB" if r["cap_gib"] else "none"
+    if not r["fits"]:
+        why = f"failed ({r['error']})" if r.get("error") else "unmeasured (time)" if r["unmeasured"] else "does not fit"
+        return f"{r['preset']} {r['loop']} cap {cap}: {why}"
+    mfu = f", MFU {100 * r['mfu']:.1f} %" if r.get("mfu") is not None else ""
+    peak = f", peak {r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None else ""
+    return (f"{r['preset']} {r['loop']} cap {cap}: micro-batch {r['micro_batch']}"
+            f"{' (checkpointing)' if r['gradient_checkpointing'] else ''}, {r['tokens_per_s']:.0f} tokens/s{mfu}{peak}")
+
+
+def table(rows: list[dict]) -> str:
+    def cell(r, key, fmt):
+        return fmt(r[key]) if r and r.get("fits") and r.get(key) is not None else "–"
+
+    lines = ["| preset | cap | fits peer / ref | micro-batch peer / ref | peak GiB peer / ref | tokens/s peer / ref | "
+             "MFU peer / ref | peer / reference |", "|---|---|---|---|---|---|---|---|"]
+    keys = list(dict.fromkeys((r["preset"], r["cap_gib"] or 0) for r in rows))  # in the order measured
+    for preset, cap in keys:
+        by = {r["loop"]: r for r in rows if r["preset"] == preset and (r["cap_gib"] or 0) == cap}
+        p, f = by.get("peer"), by.get("reference")
+
+        def fits(r):
+            return "–" if r is None else "unmeasured" if r["unmeasured"] else "yes" if r["fits"] else "no"
+
+        def batch(r):
+            return cell(r, "micro_batch", str) + (" ckpt" if r and r.get("gradient_checkpointing") else "")
+
+        ratio = (f"{p['tokens_per_s'] / f['tokens_per_s']:.3f}" if p and f and p["fits"] and f["fits"] else "–")
+        lines.append(f"| {preset} | {f'{cap:g} GiB' if cap else 'none'} | {fits(p)} / {fits(f)} | {batch(p)} / "
+                     f"{batch(f)} | {cell(p, 'peak_gib', '{:.1f}'.format)} / {cell(f, 'peak_gib', '{:.1f}'.format)} "
+                     f"| {cell(p, 'tokens_per_s', '{:.0f}'.format)} / {cell(f, 'tokens_per_s', '{:.0f}'.format)} | "
+                     f"{cell(p, 'mfu', lambda m: f'{100 * m:.1f} %')} / {cell(f, 'mfu', lambda m: f'{100 * m:.1f} %')}"
+                     f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device(args.device)
+    start = time.perf_counter()
+    deadline = start + args.budget_s
+    if not args.no_compile:
+        # both loops: compile once for every micro-batch of the search instead of once static, then again dynamic
+        torch._dynamo.config.assume_static_by_default = False
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    else:
+        torch.set_num_threads(1)
+    caps = [float(c) for c in args.caps.split(",")]
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "seq_len": args.seq_len, "vocab": args.vocab, "steps": args.steps,
+            "warmup": args.warmup, "command": " ".join(sys.argv), "peer_capped": peer_options(args, 24.0),
+            "peer_uncapped": peer_options(args, 0.0)}
+    rows: list[dict] = []
+    for preset in args.presets.split(","):
+        fpt_box: dict = {}
+        for loop in args.loops.split(","):
+            try:
+                rows += run_loop(loop, preset, args, device, caps, deadline, fpt_box)
+            except Exception as e:  # one broken configuration must not cost the others' figures
+                traceback.print_exc()
+                rows.append({"preset": preset, "loop": loop, "cap_gib": None, "fits": False, "unmeasured": True,
+                             "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+                _free(device)
+            if args.json:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    meta["wall_s"] = time.perf_counter() - start
+    if args.json:
+        Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    print(f"device: {meta['device']}; T = {args.seq_len}, V = {args.vocab}; {args.steps} timed steps; "
+          f"peer capped: optimizer_state {args.optimizer_state}, loss_chunk {args.loss_chunk}; uncapped: "
+          f"{args.uncapped_optimizer_state}, {args.uncapped_loss_chunk}; {meta['wall_s']:.0f} s")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
