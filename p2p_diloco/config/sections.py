@@ -34,7 +34,6 @@ class ModelConfig:
                          "tokens", _non_negative, "must be >= 0")
 
 
-
 @dataclass
 class DataConfig:
     """Where token batches come from. Each peer reads its own order, derived from its name and the seed."""
