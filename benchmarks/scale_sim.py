@@ -3,7 +3,7 @@ discrete-event simulation of the round-commit rate, the wall time per round and 
 for today's all-or-nothing rounds and for survivable ones. The model in full, and its checks: benchmarks/scale.md.
 
 One round (P = payload bytes on the wire, n = group size):
-  inner       DyLU: every peer plans to end at T = H / v_max and arrives at T x exp(drift x z)
+  inner       DyLU: peer i runs floor(v_i / v_max x H) steps, ending by T = H / v_max, and arrives exp(drift x z) later
   matchmaking the window of p2p_diloco/net/deadlines.py opens at the first arrival; the group waits for every peer
               the roster lists (a dead one until roster_ttl), else to the window's end; then mm_base + 2 rtt +
               mm_per_peer x n; later arrivals miss the round, fetch the state and rebase
@@ -123,9 +123,10 @@ def simulate(prm: Params, n: int, rounds: int, rule: str, seed: int = 0) -> dict
             now = float(np.min(ready[~live]))
             continue
         dl = est.deadlines(int(live.sum()))
-        # inner phase: DyLU plans every live peer to end at now + T; speed noise moves the arrivals
-        t_inner = prm.inner_steps / speed[live].max()
-        arrive = np.where(live, now + t_inner * np.exp(prm.drift_sigma * z), np.inf)
+        # inner phase, DyLU: peer i runs max(1, floor(v_i / v_max x H)) steps, ending at or before T = H / v_max (up
+        # to one of its steps early); speed noise this round moves the arrivals
+        steps = np.maximum(1, np.floor(prm.inner_steps * speed / speed[live].max() + 1e-9))
+        arrive = np.where(live, now + steps / speed * np.exp(prm.drift_sigma * z), np.inf)
         gone = live & (u_inner < prm.p * prm.inner_loss)  # lost during the inner phase: never arrives
         if k == prm.kill_round and prm.kill_phase == "inner":
             gone[0] = live[0]
