@@ -269,7 +269,10 @@ def read_run(path: str) -> dict:
         lines = [line for line in f.read_text().splitlines() if line.strip().endswith("}")]
         recs += [r for r in map(json.loads, lines) if r.get("event") == "round" and all(r.get(k) is not None
                                                                                       for k in TIMINGS)]
-    n = len(summary.get("peers") or []) or max((r["group_size"] for r in summary["rounds"]), default=0)
+    # N: the most peers that committed one round, whatever group they were in (a forked round counts all its groups)
+    n = max((len(r.get("global_params_sha256") or {}) or r.get("group_size", 0) for r in summary["rounds"]), default=0)
+    if n < 2:
+        raise ValueError(f"{path}: no round committed by two peers or more")
     run = {"path": path, "n": n, "rounds": len(summary["rounds"]), "detail": bool(recs)}
     if not recs:  # summary only: the all-reduce time includes matchmaking; no inner or round times
         run.update(wait_s=_med([r["allreduce_s"] for r in summary["rounds"]]))
