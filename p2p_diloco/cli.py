@@ -18,7 +18,7 @@ import sys
 import threading
 from typing import Optional
 
-from p2p_diloco.cli_parser import build_parser, command_parser, unrecognized
+from p2p_diloco.cli_parser import build_parser, unrecognized
 from p2p_diloco.config import SECTIONS, ConfigError, describe, load_config, parse_overrides, preflight
 from p2p_diloco.errors import JoinError
 
@@ -40,7 +40,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args, unknown = parser.parse_known_args(rest)
         args.argv = argv  # for a peer that relaunches itself under torchrun
         if unknown:
-            raise ConfigError(unrecognized(unknown, command_parser(parser, argv[0])))
+            raise ConfigError(unrecognized(unknown, parser, argv[0]))
         if overrides and not getattr(args, "reads_config", True):
             raise ConfigError(f"{argv[0]}: takes no config keys (got --{next(iter(overrides))})")
         code = args.func(args, overrides)

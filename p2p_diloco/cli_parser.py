@@ -12,7 +12,7 @@ import difflib
 import textwrap
 from typing import Optional
 
-from p2p_diloco.config import COMMON_KEYS, TESTING_SECTIONS, SECTIONS, describe, suggest_key
+from p2p_diloco.config import COMMON_KEYS, TESTING_SECTIONS, SECTIONS, describe, suggest_keys
 
 DESCRIPTION = "Peer-to-peer DiLoCo training over the internet, on hivemind, with bit-identical global parameters."
 KEYS_INTRO = ("in a TOML file under [section], or as --section.key=value; 'run setting': every peer of a run holds "
@@ -187,28 +187,36 @@ def _run_dir(p: argparse.ArgumentParser, help_text: str, dest: str = "run_dir") 
     p.add_argument("--run-dir", metavar="DIR", dest=dest, default=None, help=help_text)
 
 
-def unrecognized(unknown: list[str], parser: Optional[argparse.ArgumentParser]) -> str:
+def unrecognized(unknown: list[str], parser: argparse.ArgumentParser, command: str) -> str:
     """The message for arguments no parser took, with what each flag most likely meant: a flag of the command
-    (difflib), or the config key of that name (``--inner-steps`` -> ``--diloco.inner_steps``)."""
+    (difflib), the config key of that name (``--inner-steps`` -> ``--diloco.inner_steps``), or another command."""
     hints = []
-    flags = [] if parser is None else [f for f in parser._option_string_actions if f.startswith("--")]
+    own = command_parser(parser, command)
+    flags = [] if own is None else [f for f in own._option_string_actions if f.startswith("--")]
     for arg in unknown:
         if not arg.startswith("--"):
             continue
         flag = arg.partition("=")[0]
         close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.8)
-        key = suggest_key(flag[2:])
+        keys = suggest_keys(flag[2:])
+        elsewhere = [name for name, p in _commands(parser).items() if flag in p._option_string_actions]
         if close:
             hints.append(f"{flag}: did you mean {close[0]}?")
-        elif key is not None:
-            hints.append(f"{flag}: use --{key}")
+        elif keys:
+            hints.append(f"{flag}: use " + " or ".join(f"--{key}" for key in keys))
+        elif elsewhere:
+            hints.append(f"{flag}: a flag of {' and '.join(elsewhere)}, not of {command}")
     text = f"unrecognized arguments: {' '.join(unknown)}"
     return text + (f" ({'; '.join(hints)})" if hints else " (config keys look like --section.key=value)")
 
 
-def command_parser(parser: argparse.ArgumentParser, name: str) -> Optional[argparse.ArgumentParser]:
-    """The sub-parser of command ``name``, or None."""
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     for action in parser._subparsers._group_actions if parser._subparsers else ():
         if isinstance(action, argparse._SubParsersAction):
-            return action.choices.get(name)
-    return None
+            return dict(action.choices)
+    return {}
+
+
+def command_parser(parser: argparse.ArgumentParser, name: str) -> Optional[argparse.ArgumentParser]:
+    """The sub-parser of command ``name``, or None."""
+    return _commands(parser).get(name)

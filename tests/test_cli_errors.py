@@ -170,6 +170,10 @@ def test_peer_takes_the_short_flags_of_swarm_and_other_commands_name_the_key(tmp
     _assert_one_line_error(out, "unrecognized arguments: --inner-steps 10", "use --diloco.inner_steps")
     out, _ = _cli("peer", "--lr=0.1")
     _assert_one_line_error(out, "--lr: use --inner.lr")
+    out, _ = _cli("peer", "--seed", "1")
+    _assert_one_line_error(out, "--seed: use --data.seed or --run.seed")
+    out, _ = _cli("peer", "--peers", "3")  # swarm's flag for what has no key of a peer
+    _assert_one_line_error(out, "--peers: a flag of swarm, not of peer")
 
 
 def test_a_misspelt_key_gets_a_suggestion_and_the_file_it_came_from(tmp_path):

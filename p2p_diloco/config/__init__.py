@@ -9,12 +9,12 @@ the loading, checking and printing.
 from p2p_diloco.config.fields import AUTO, ConfigError, FloatOrAuto
 from p2p_diloco.config.load import (COMMAND_LINE, COMMON_KEYS, TESTING_SECTIONS, all_keys, check_config,
                                     config_from_dict, copy_config, describe, dump_toml, load_config, parse_overrides,
-                                    set_value, shared_keys, shared_settings, show_value, suggest_key)
+                                    set_value, shared_keys, shared_settings, show_value, suggest_keys)
 from p2p_diloco.config.sections import (SECTIONS, AveragingConfig, Config, DataConfig, DiLoCoConfig, FaultConfig,
                                         InnerConfig, ModelConfig, NetworkConfig, RunConfig)
 
 __all__ = ["AUTO", "ConfigError", "FloatOrAuto", "COMMAND_LINE", "COMMON_KEYS", "TESTING_SECTIONS", "all_keys",
-           "suggest_key", "check_config", "config_from_dict", "copy_config", "describe",
+           "suggest_keys", "check_config", "config_from_dict", "copy_config", "describe",
            "dump_toml", "load_config", "parse_overrides", "set_value", "shared_keys", "shared_settings", "show_value",
            "SECTIONS", "AveragingConfig", "Config", "DataConfig", "DiLoCoConfig", "FaultConfig", "InnerConfig",
            "ModelConfig", "NetworkConfig", "RunConfig"]

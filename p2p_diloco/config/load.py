@@ -118,25 +118,25 @@ def all_keys() -> list[str]:
     return [f"{name}.{f.name}" for name, tp in SECTIONS.items() for f in dataclasses.fields(tp)]
 
 
-def suggest_key(text: str) -> Optional[str]:
-    """The config key ``text`` (a dotted key, or a bare name such as ``inner_steps``) most likely meant: the same
-    name in another section, else the closest spelling (difflib); None if nothing is close."""
+def suggest_keys(text: str) -> list[str]:
+    """The config keys ``text`` (a dotted key, or a bare name such as ``inner_steps``) most likely meant: the keys of
+    that name in any section, else the closest spelling (difflib); [] if nothing is close."""
     text = text.replace("-", "_")
     keys = all_keys()
     name = text.rpartition(".")[2]
     same_name = [k for k in keys if k.rpartition(".")[2] == name]
     if same_name:
-        return same_name[0]
+        return same_name
     close = difflib.get_close_matches(text, keys, n=1, cutoff=0.75)
     if not close:  # a misspelt name under the right section, or a bare name
-        close = difflib.get_close_matches(name, [k.rpartition(".")[2] for k in keys], n=1, cutoff=0.7)
-        close = [k for k in keys if k.rpartition(".")[2] in close][:1]
-    return close[0] if close else None
+        names = difflib.get_close_matches(name, [k.rpartition(".")[2] for k in keys], n=1, cutoff=0.85)
+        close = [k for k in keys if k.rpartition(".")[2] in names]
+    return close
 
 
 def _did_you_mean(dotted: str, otherwise: str) -> str:
-    suggestion = suggest_key(dotted)
-    return f": did you mean {suggestion}?" if suggestion else otherwise
+    suggestions = suggest_keys(dotted)
+    return f": did you mean {' or '.join(suggestions)}?" if suggestions else otherwise
 
 
 # ---------------------------------------------------------------------------------------------- public API
