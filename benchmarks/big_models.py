@@ -63,6 +63,9 @@ def parse_args() -> argparse.Namespace:
                         "(default 0: the whole loss compiled in one piece, fastest where memory allows)")
     parser.add_argument("--uncapped-optimizer-state", default="fp32", choices=("fp32", "8bit"),
                         help="the uncapped peer's inner.optimizer_state (default fp32: fused AdamW)")
+    parser.add_argument("--no-offload", dest="offload", action="store_false",
+                        help="never try the capped peer with inner.offload")
+    parser.add_argument("--offload-steps", type=int, default=3, help="timed steps of an offloaded peer (default 3)")
     parser.add_argument("--no-compile", action="store_true", help="run both loops eagerly")
     parser.add_argument("--loops", default="peer,reference", help="comma-separated (default peer,reference)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
@@ -110,23 +113,30 @@ def fresh_model(preset: str, args, device: torch.device) -> torch.nn.Module:
                                                 attn_implementation="sdpa", dtype=torch.float32)
 
 
-def peer_options(args, cap: float) -> tuple[str, int]:
-    """(inner.optimizer_state, model.loss_chunk) of the peer: a capped card saves memory, an uncapped one time."""
-    if cap:
-        return args.optimizer_state, args.loss_chunk
-    return args.uncapped_optimizer_state, args.uncapped_loss_chunk
+def attempts(loop: str, args, cap: float) -> list[dict]:
+    """The ways a loop is tried, in order, until one fits: a capped peer saves memory (8-bit moments, the chunked
+    loss; at last the optimizer offloaded to the host), an uncapped one time (fused fp32 AdamW, the loss compiled in
+    one piece); gradient checkpointing only where micro-batch 1 does not fit without it."""
+    if loop == "reference":
+        return [{"ckpt": False}, {"ckpt": True}]
+    state, chunk = (args.optimizer_state, args.loss_chunk) if cap else (args.uncapped_optimizer_state,
+                                                                        args.uncapped_loss_chunk)
+    ways = [{"ckpt": ckpt, "state": state, "chunk": chunk, "offload": False} for ckpt in (False, True)]
+    if cap and args.offload:
+        ways.append({"ckpt": True, "state": "fp32", "chunk": args.loss_chunk, "offload": True})
+    return ways
 
 
-def peer_loop(preset: str, args, device: torch.device, checkpointing: bool, options: tuple[str, int]):
+def peer_loop(preset: str, args, device: torch.device, way: dict):
     """The peer's inner loop (build_inner + InnerTrainer.step) with the memory options: (model, step function)."""
     from p2p_diloco.config import load_config
     from p2p_diloco.train.replica import build_inner
 
-    state, chunk = options
     cfg = load_config(overrides={
-        "model.name": preset, "model.seq_len": str(args.seq_len), "model.loss_chunk": str(chunk),
-        "model.gradient_checkpointing": str(checkpointing).lower(), "inner.optimizer_state": state,
-        "run.compile": str(not args.no_compile).lower(), "inner.warmup_steps": "10", "run.device": args.device})
+        "model.name": preset, "model.seq_len": str(args.seq_len), "model.loss_chunk": str(way["chunk"]),
+        "model.gradient_checkpointing": str(way["ckpt"]).lower(), "inner.optimizer_state": way["state"],
+        "inner.offload": str(way["offload"]).lower(), "run.compile": str(not args.no_compile).lower(),
+        "inner.warmup_steps": "10", "run.device": args.device})
     model = fresh_model(preset, args, device)
     inner = build_inner(cfg, model, device, ranks=None)
     return model, lambda x: inner.step(lambda: x).loss
@@ -137,10 +147,10 @@ def _fused_loss(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
 
-def reference_loop(preset: str, args, device: torch.device, checkpointing: bool, options=None):
+def reference_loop(preset: str, args, device: torch.device, way: dict):
     """The best plain loop a user could write: compiled layers, one compiled loss function, fused AdamW."""
     model = fresh_model(preset, args, device)
-    if checkpointing:
+    if way["ckpt"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     loss_fn = _fused_loss
     if not args.no_compile:
@@ -255,22 +265,20 @@ class Search:
 
 
 def run_loop(loop: str, preset: str, args, device, caps: list[float], deadline: float, fpt_box: dict) -> list[dict]:
-    """Rows of one loop on one preset, one per cap: without checkpointing, else with it where batch 1 runs out. A
-    loop whose options do not change with the cap goes on with the same model and search."""
+    """Rows of one loop on one preset, one per cap, each from the first of its :func:`attempts` that fits. A loop
+    whose options do not change with the cap goes on with the same model and search."""
     build = peer_loop if loop == "peer" else reference_loop
     rows, search, built = [], None, None
     for cap in caps:
         set_cap(cap, device)
-        options = peer_options(args, cap) if loop == "peer" else None
         result = None
-        for ckpt in (False, True):
+        for way in attempts(loop, args, cap):
             if time.perf_counter() > deadline:
                 break
-            if search is None or built != (ckpt, options):
+            if search is None or built != way:
                 search = None
                 _free(device)
-                search, built = start_search(build, preset, args, device, ckpt, options, deadline, fpt_box), (
-                    ckpt, options)
+                search, built = start_search(build, preset, args, device, way, deadline, fpt_box), way
                 if search is None:
                     continue
             else:
@@ -289,12 +297,13 @@ def run_loop(loop: str, preset: str, args, device, caps: list[float], deadline: 
     return rows
 
 
-def start_search(build, preset, args, device, checkpointing, options, deadline, fpt_box):
-    """A Search on a freshly built loop; None when the model and its optimizer alone do not fit."""
+def start_search(build, preset, args, device, way, deadline, fpt_box):
+    """A Search on a freshly built loop; None when the model and its optimizer alone do not fit. Offloaded steps
+    wait for the host's update: fewer of them are timed."""
     from p2p_diloco.train.flops import flops_per_token
 
     try:
-        model, step = build(preset, args, device, checkpointing, options)
+        model, step = build(preset, args, device, way)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not _is_oom(e):
             raise
@@ -303,19 +312,23 @@ def start_search(build, preset, args, device, checkpointing, options, deadline, 
         _free(device)
         return None
     fpt_box.setdefault("flops", flops_per_token(model, args.seq_len))
+    if way.get("offload"):
+        args = argparse.Namespace(**{**vars(args), "steps": args.offload_steps, "warmup": 1})
     return Search(step, model, args, device, deadline)
 
 
-def row(loop, preset, cap, result, built, args, device, flops, timed_out) -> dict:
+def row(loop, preset, cap, result, way, args, device, flops, timed_out) -> dict:
     from p2p_diloco.train.flops import mfu, peak_flops
 
-    state, chunk = peer_options(args, cap) if loop == "peer" else ("fp32 (fused AdamW)", None)
+    way = way or {}
+    chunk = way.get("chunk")
     loss = f"chunks of {chunk} positions" if chunk else "one eager function" if args.no_compile and loop != "peer" \
         else "the model's own" if args.no_compile else "one compiled function"
     out = {"preset": preset, "loop": loop, "cap_gib": cap or None, "fits": result is not None,
-           "gradient_checkpointing": built[0] if result is not None else None, "optimizer_state": state,
-           "loss_fn": loss,
-           "compiled": not args.no_compile, "flops_per_token": flops, "unmeasured": timed_out and result is None}
+           "gradient_checkpointing": way.get("ckpt") if result is not None else None,
+           "optimizer_state": way.get("state", "fp32 (fused AdamW)"), "offload": bool(way.get("offload")),
+           "loss_fn": loss, "compiled": not args.no_compile, "flops_per_token": flops,
+           "unmeasured": timed_out and result is None}
     if result is not None:
         out.update(result)
         out["mfu"] = mfu(result["tokens_per_s"], flops, peak_flops(device))
@@ -330,7 +343,8 @@ def format_row(r: dict) -> str:
     mfu = f", MFU {100 * r['mfu']:.1f} %" if r.get("mfu") is not None else ""
     peak = f", peak {r['peak_gib']:.1f} GiB" if r.get("peak_gib") is not None else ""
     return (f"{r['preset']} {r['loop']} cap {cap}: micro-batch {r['micro_batch']}"
-            f"{' (checkpointing)' if r['gradient_checkpointing'] else ''}, {r['tokens_per_s']:.0f} tokens/s{mfu}{peak}")
+            f"{' (checkpointing)' if r['gradient_checkpointing'] else ''}{' (offload)' if r['offload'] else ''}, "
+            f"{r['tokens_per_s']:.0f} tokens/s{mfu}{peak}")
 
 
 def table(rows: list[dict]) -> str:
@@ -348,7 +362,8 @@ def table(rows: list[dict]) -> str:
             return "–" if r is None else "unmeasured" if r["unmeasured"] else "yes" if r["fits"] else "no"
 
         def batch(r):
-            return cell(r, "micro_batch", str) + (" ckpt" if r and r.get("gradient_checkpointing") else "")
+            return cell(r, "micro_batch", str) + (" ckpt" if r and r.get("gradient_checkpointing") else "") + (
+                " offload" if r and r.get("offload") else "")
 
         ratio = (f"{p['tokens_per_s'] / f['tokens_per_s']:.3f}" if p and f and p["fits"] and f["fits"] else "–")
         lines.append(f"| {preset} | {f'{cap:g} GiB' if cap else 'none'} | {fits(p)} / {fits(f)} | {batch(p)} / "
@@ -375,8 +390,8 @@ def main() -> None:
     caps = [float(c) for c in args.caps.split(",")]
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "seq_len": args.seq_len, "vocab": args.vocab, "steps": args.steps,
-            "warmup": args.warmup, "command": " ".join(sys.argv), "peer_capped": peer_options(args, 24.0),
-            "peer_uncapped": peer_options(args, 0.0)}
+            "warmup": args.warmup, "command": " ".join(sys.argv), "peer_capped": attempts("peer", args, 24.0),
+            "peer_uncapped": attempts("peer", args, 0.0)}
     rows: list[dict] = []
     for preset in args.presets.split(","):
         fpt_box: dict = {}

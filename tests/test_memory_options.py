@@ -21,7 +21,7 @@ from p2p_diloco.train.replica import build_inner
 
 CPU = torch.device("cpu")
 MEMORY_OPTIONS = {"model.loss_chunk": "64", "inner.optimizer_state": "fp32", "run.compile": "true",
-                  "model.gradient_checkpointing": "true"}
+                  "model.gradient_checkpointing": "true", "inner.offload": "true"}
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
 
 
@@ -137,6 +137,55 @@ def test_8bit_adamw_learns_on_the_cpu_and_its_state_survives_a_checkpoint(tmp_pa
     resumed = InnerTrainer(resumed_model, cfg, CPU, total_steps=None)
     resumed.load_state_dict(saved["inner"])
     assert _steps(resumed, x, 1) == pytest.approx(_steps(trainer, x, 1), rel=1e-5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("grad_accum", [1, 2])  # the first micro-batch's gradients are copied, later ones added
+def test_offloaded_adamw_steps_like_adamw_and_follows_theta_local_changed_outside(grad_accum):
+    from p2p_diloco.train.offload import HostAdamW
+    from p2p_diloco.train.transfer import flatten_parameters, load_params
+
+    torch.set_num_threads(1)
+    torch.manual_seed(5)
+    batches = [torch.randint(0, 300, (2, 32)) for _ in range(2)]
+    trainers, models = [], []
+    for offload in (False, True):
+        model = _tiny()
+        flatten_parameters(model)  # as the peer does: the version counter is the flat buffer's
+        cfg = InnerConfig(lr=3e-3, warmup_steps=1, grad_clip=0.5, grad_accum=grad_accum, offload=offload)
+        trainers.append(InnerTrainer(model, cfg, CPU, total_steps=None))
+        models.append(model)
+    assert isinstance(trainers[1].optimizer, HostAdamW)
+
+    def run(trainer, n):
+        out = []
+        for _ in range(n):
+            it = iter(batches * grad_accum)
+            r = trainer.step(lambda: next(it))
+            out += [r.loss, r.grad_norm]
+        return out
+
+    plain, offloaded = run(trainers[0], 3), run(trainers[1], 3)
+    assert offloaded == pytest.approx(plain, rel=1e-5)
+    assert all(p.grad is None for p in models[1].parameters())  # the device keeps no gradient
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    # θ_local <- θ_global, as at a round's start: the master copy follows before the next update
+    fresh = [p.detach().clone() for p in _tiny(seed=7).parameters()]
+    for model in models:
+        load_params(list(model.parameters()), fresh)
+    assert run(trainers[1], 2) == pytest.approx(run(trainers[0], 2), rel=1e-5)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_offload_is_refused_on_a_multi_process_peer_with_one_line():
+    from p2p_diloco.train.replica import Ranks
+
+    cfg = load_config(overrides={"inner.offload": "true"})
+    with pytest.raises(ConfigError, match="inner.offload"):
+        build_inner(cfg, _tiny(), CPU, ranks=Ranks(0, 2, 0, None))
 
 
 @pytest.mark.timeout(600)

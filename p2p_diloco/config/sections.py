@@ -87,6 +87,11 @@ class InnerConfig:
                               "per-machine choice: members of one run may differ", choices=("fp32", "8bit"),
                               check=lambda state: state != "8bit" or _installed("torchao"),
                               rule="8bit needs the torchao package: pip install torchao")
+    offload: bool = _f(False, "keep the inner AdamW's moments, an fp32 master copy of the parameters and the "
+                       "gradient sums in host memory and run its update on the CPU: the GPU keeps the fp32 "
+                       "parameters and the activations only (a 3B model on a 24 GB card; 16 bytes per parameter of "
+                       "host memory, 10 with 8-bit moments). Slower steps: raise inner.grad_accum to spread the update. A "
+                       "per-machine choice; one-process peers only")
     lr_clock: str = _f("steps", "what the lr schedule's step counts: 'steps': this peer's own inner steps (measured "
                        "better with DyLU: BENCHMARKS.md section 9); 'rounds': the run's progress, round x H plus the "
                        "share of this round's steps done, so every peer is at the same point of the schedule whatever "

@@ -58,8 +58,8 @@ class InnerTrainer:
 
     Weight decay applies to matrices and embeddings only; norm gains (1-D tensors) are not decayed (nanoGPT's rule).
     bf16 autocast and fused AdamW on CUDA; fp32 and torch's default AdamW on the CPU; AdamW with 8-bit moments with
-    ``cfg.optimizer_state`` "8bit" (train/memory.py). ``step_count`` counts inner
-    steps done and drives the schedule. ``forward`` is the module that computes the loss, when it wraps ``model``
+    ``cfg.optimizer_state`` "8bit" (train/memory.py), on host copies with ``cfg.offload`` (train/offload.py).
+    ``step_count`` counts inner steps done and drives the schedule. ``forward`` is the module that computes the loss, when it wraps ``model``
     (DistributedDataParallel on a multi-GPU peer: then gradients are averaged over the ranks at the last
     micro-batch of each step).
     """
@@ -70,7 +70,7 @@ class InnerTrainer:
         self.forward = forward if forward is not None else model
         self.step_count = 0
         self.optimizer = make_optimizer(_param_groups(model, cfg.weight_decay), cfg.optimizer_state, cfg.lr,
-                                        (cfg.beta1, cfg.beta2), device)
+                                        (cfg.beta1, cfg.beta2), device, offload=cfg.offload)
 
     def step(self, next_batch: Callable[[], torch.Tensor], position: Optional[float] = None) -> StepResult:
         """One inner step over ``cfg.grad_accum`` micro-batches from ``next_batch`` (LongTensor [B, T]). The lr is
@@ -81,13 +81,15 @@ class InnerTrainer:
         loss, tokens = self._accumulate(next_batch)
         grad_norm = None
         if self.cfg.grad_clip is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            # offloaded: the gradients are on the host by now
+            params = getattr(self.optimizer, "host_parameters", self.model.parameters)()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         self.optimizer.step()
         self.step_count += 1
         # note: the one CPU-GPU sync point of a step (loss and norm fetched together)
         if grad_norm is None:
             return StepResult(loss.item(), tokens, lr)
-        loss_value, norm_value = torch.stack([loss, grad_norm.float()]).tolist()
+        loss_value, norm_value = torch.stack([loss, grad_norm.float().to(loss.device)]).tolist()
         return StepResult(loss_value, tokens, lr, norm_value)
 
     def _accumulate(self, next_batch: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:

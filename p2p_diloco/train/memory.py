@@ -10,6 +10,7 @@ runs, not what the run computes (up to rounding), so members of one run may choo
   * ``inner.optimizer_state = "8bit"``: torchao's AdamW8bit, the moments block-wise quantized to 8 bits (2 bytes
     per parameter instead of 8; tensors under 4096 values stay fp32). Its update runs through torch.compile, on
     the CPU too (a C++ compiler is needed there).
+  * ``inner.offload``: the AdamW moments, an fp32 master copy and the gradient sums in host memory (train/offload.py).
   * ``run.compile``: each decoder layer compiled on its own (regional compilation): the layers share one compiled
     graph, so compiling takes seconds instead of minutes; the loss's chunk is compiled too (with ``model.loss_chunk``
     0, the whole micro-batch's head, upcast and cross-entropy in one compiled function, which keeps no fp32 logits).
@@ -109,17 +110,28 @@ def _decoder_layers(model: torch.nn.Module) -> Optional[torch.nn.ModuleList]:
 
 
 def make_optimizer(groups: list[dict], state: str, lr: float, betas: tuple[float, float],
-                   device: torch.device) -> torch.optim.Optimizer:
+                   device: torch.device, offload: bool = False):
     """The inner AdamW over ``groups`` (each with its weight decay): fp32 moments (fused on CUDA) or, with
-    ``state`` "8bit", torchao's AdamW8bit. Raises ConfigError naming inner.optimizer_state without torchao."""
+    ``state`` "8bit", torchao's AdamW8bit; with ``offload``, either one on host copies (train/offload.py). Raises
+    ConfigError naming inner.optimizer_state without torchao."""
+    if offload:
+        from p2p_diloco.train.offload import HostAdamW
+
+        cpu = torch.device("cpu")
+        return HostAdamW(groups, lambda host: _make(host, state, lr, betas, cpu, fused_cpu=True), device)
+    return _make(groups, state, lr, betas, device)
+
+
+def _make(groups: list[dict], state: str, lr: float, betas: tuple[float, float], device: torch.device,
+          fused_cpu: bool = False) -> torch.optim.Optimizer:
     if state == "8bit":
         try:
             from torchao.optim import AdamW8bit
         except ImportError:
             raise ConfigError("inner.optimizer_state: '8bit' needs the torchao package: pip install torchao") from None
         return AdamW8bit(groups, lr=lr, betas=betas)
-    # fused: one kernel for the whole update on CUDA; None keeps torch's default elsewhere
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda" or None)
+    # fused: one kernel for the whole update on CUDA (and one pass on the host for offload); None: torch's default
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda" or fused_cpu or None)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from p2p_diloco.config import Config, RunConfig
+from p2p_diloco.config import Config, ConfigError, RunConfig
 from p2p_diloco.train.data import Data, build_data
 from p2p_diloco.train.flops import flops_per_token, mfu, peak_flops
 from p2p_diloco.train.inner import InnerTrainer, StepResult, resolve_device, schedule_total_steps
@@ -93,6 +93,9 @@ def build_inner(cfg: Config, model: torch.nn.Module, device: torch.device, ranks
     """The inner loop on ``model`` (already on ``device``) with this machine's memory options: gradient
     checkpointing, the parameters made one flat buffer, the chunked loss, torch.compile by regions
     (train/memory.py), DDP around the loss's module on a multi-process peer, AdamW (8-bit moments if configured)."""
+    if cfg.inner.offload and ranks is not None:
+        raise ConfigError("inner.offload: a multi-process peer averages its gradients on the GPUs; offload is for "
+                          "one-process peers (drop --nproc-per-node or inner.offload)")
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     flatten_parameters(model)
