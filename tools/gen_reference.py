@@ -40,8 +40,8 @@ def command_defaults() -> dict[str, dict]:
 # ---------------------------------------------------------------------------------------------- markdown helpers
 
 def _cell(text: str) -> str:
-    """Text that stays inside one table cell."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+    """Text that stays inside one table cell, shown as written (``<peer id>`` is no HTML tag)."""
+    return " ".join(str(text).split()).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def _code(text: str) -> str:
@@ -58,7 +58,7 @@ def _value(value) -> str:
     if value == []:
         return "`[]` (empty)"
     if isinstance(value, str) and (not value or value != value.strip()):
-        return _code(json.dumps(value))  # quoted: an empty string, or one whose spaces matter
+        return _code(json.dumps(value, ensure_ascii=False))  # quoted: an empty string, or one whose spaces matter
     return _code(show_value(value))
 
 
