@@ -113,8 +113,9 @@ def test_bootstrap_refuses_keys_of_other_sections_from_flags_and_files(tmp_path)
 # ---------------------------------------------------------------------------------------------- the model, the device
 
 def test_an_unknown_preset_fails_before_the_dht_starts(tmp_path):
-    out, _ = _cli("peer", "--model.name=tiney", f"--run.run_dir={tmp_path}")
+    out, elapsed = _cli("peer", "--model.name=tiney", f"--run.run_dir={tmp_path}")
     _assert_one_line_error(out, "model.name: no preset or config file 'tiney'", "did you mean tiny?")
+    assert elapsed < FAST_S  # the presets are plain data (train/presets.py): no torch import
     out, _ = _cli("swarm", "--model.name=huge", "--run-dir", tmp_path / "swarm")
     _assert_one_line_error(out, "model.name", "presets: tiny")
     assert not (tmp_path / "swarm").exists(), "the swarm must not have started a node"

@@ -2,8 +2,9 @@
 
 Each raises :class:`ConfigError` naming the key and the fix (one line, exit code 2), in a fraction of a second where
 it can: the multiaddrs are parsed with hivemind's own multiaddr package, loaded without importing hivemind (3-6 s);
-torch is imported only to check a CUDA device. The same things are checked again where they are used (net/dht.py,
-train/model.py, train/inner.py): these checks only move the error before the slow start.
+torch is imported only to check a CUDA device, huggingface_hub only for model.init_from. The same things are checked
+again where they are used (net/dht.py, train/model.py, train/inner.py): these checks only move the error before the
+slow start.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def check_device(device: str) -> None:
 def check_training(cfg: Config) -> None:
     """What a peer (or each peer of a swarm) would otherwise find only after its DHT started."""
     check_model(cfg.model)
-    check_device(cfg.run.device)
+    check_device(cfg.run.device)  # imports torch, for a CUDA device only
 
 
 def only_sections(command: str, allowed: Iterable[str], sources: dict[str, str]) -> None:
@@ -175,6 +176,6 @@ def _check_init_from(source: str) -> None:
 
 
 def _preset_names() -> list[str]:
-    from p2p_diloco.train.model import PRESETS  # imports torch and transformers (seconds): only when needed
+    from p2p_diloco.train.presets import PRESETS  # plain data: no torch
 
     return list(PRESETS)
