@@ -99,6 +99,28 @@ def test_a_listen_port_in_use_is_named_with_the_fix(command, tmp_path):
     assert elapsed < FAST_S and not (tmp_path / "node.key").exists()  # no identity made: nothing started
 
 
+def test_a_port_a_running_node_holds_is_refused_though_p2pd_would_share_it(tmp_path):
+    """p2pd listens with SO_REUSEPORT: a second node on the same port would start, and take half the connections
+    meant for the first."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    listen = f"--network.host_maddrs=/ip4/127.0.0.1/tcp/{port}"
+    first = subprocess.Popen([sys.executable, "-m", "p2p_diloco", "bootstrap", listen,
+                              f"--network.identity_path={tmp_path / 'boot.key'}"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        for line in first.stdout:  # blocks until the node listens and prints the join command
+            if line.strip().startswith("p2p-diloco peer --initial-peers"):
+                break
+        out, _ = _cli("bootstrap", listen, f"--network.identity_path={tmp_path / 'other.key'}")
+        _assert_one_line_error(out, f"tcp port {port} is already in use")
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=30)
+    assert first.returncode == 0
+
+
 # ---------------------------------------------------------------------------------------------- bootstrap
 
 def test_bootstrap_refuses_keys_of_other_sections_from_flags_and_files(tmp_path):

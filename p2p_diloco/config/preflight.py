@@ -124,8 +124,10 @@ def _multiaddr_class():
 
 
 def _check_port_free(maddr: str) -> None:
-    """Bind the address and port of ``maddr`` (/ip4 or /ip6, /tcp or /udp, a port other than 0) and let go: p2pd
-    fails on a taken port with a raw line of its own, after the slow start."""
+    """Bind the address and port of ``maddr`` (/ip4 or /ip6, /tcp or /udp, a port other than 0) and let go. p2pd
+    fails on a port another program holds with a raw line of its own, after the slow start; on one a p2pd holds (a
+    node already running here, or one left behind) it starts, both listening (SO_REUSEPORT), and the kernel splits
+    the incoming connections between the two nodes: refused here too."""
     parts = maddr.split("/")
     if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] not in ("tcp", "udp") or parts[4] == "0":
         return
