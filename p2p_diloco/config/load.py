@@ -119,19 +119,20 @@ def all_keys() -> list[str]:
 
 
 def suggest_keys(text: str) -> list[str]:
-    """The config keys ``text`` (a dotted key, or a bare name such as ``inner_steps``) most likely meant: the keys of
-    that name in any section, else the closest spelling (difflib); [] if nothing is close."""
+    """The config keys ``text`` (a dotted key, or a bare name such as ``inner_steps``) most likely meant: a key
+    spelt nearly the same (difflib), else the keys of that name in any section, else the closest name; [] if
+    nothing is close."""
     text = text.replace("-", "_")
     keys = all_keys()
+    close = difflib.get_close_matches(text, keys, n=1, cutoff=0.8)  # a typo: inner.lrr, modle.name
+    if close:
+        return close
     name = text.rpartition(".")[2]
-    same_name = [k for k in keys if k.rpartition(".")[2] == name]
+    same_name = [k for k in keys if k.rpartition(".")[2] == name]  # the wrong section, or no section
     if same_name:
         return same_name
-    close = difflib.get_close_matches(text, keys, n=1, cutoff=0.75)
-    if not close:  # a misspelt name under the right section, or a bare name
-        names = difflib.get_close_matches(name, [k.rpartition(".")[2] for k in keys], n=1, cutoff=0.85)
-        close = [k for k in keys if k.rpartition(".")[2] in names]
-    return close
+    names = difflib.get_close_matches(name, [k.rpartition(".")[2] for k in keys], n=1, cutoff=0.85)
+    return [k for k in keys if k.rpartition(".")[2] in names]
 
 
 def _did_you_mean(dotted: str, otherwise: str) -> str:
