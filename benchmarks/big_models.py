@@ -15,9 +15,10 @@ untimed and ``--steps`` timed steps on random tokens (the loss's cost does not d
 out of memory, gains under 3 %, or the search's time box ends; the best tokens/s is reported. The capped search runs
 first; the uncapped one goes on from there with the same model where the loop's options stay the same (the peer's
 change: capped, 8-bit moments and the chunked loss; uncapped, fused fp32 AdamW and the loss compiled in one piece).
-Compiled code is shape-generic (``assume_static_by_default = False``), so a search compiles once. MFU: 6·N + 12·L·d·T
-FLOPs per token over the device's bf16 peak (train/flops.py). Results go to ``--json`` after every loop, so a run
-cut short keeps what it measured. No hivemind is imported: only torch and transformers (and torchao) are needed.
+Ways whose parameters, gradients and AdamW moments alone exceed the cap are not run (the row's notes say so;
+``--measure-hopeless`` runs them). Compiled code is shape-generic (``assume_static_by_default = False``), so a
+search compiles once. MFU: 6·N + 12·L·d·T FLOPs per token over the device's bf16 peak (train/flops.py). Results go
+to ``--json`` after every loop, so a run cut short keeps what it measured. No hivemind is imported: only torch and transformers (and torchao) are needed.
 
 Run:
 
@@ -46,12 +47,13 @@ GIB = 2 ** 30
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", default="400m,1b,3b", help="comma-separated, smallest first (default 400m,1b,3b)")
+    parser.add_argument("--presets", default="400m,3b,1b", help="comma-separated, in the order measured (default "
+                        "400m,3b,1b: the two targets first)")
     parser.add_argument("--caps", default="24,0", help="GiB caps of the GPU, 0 for none, capped first (default 24,0)")
     parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
     parser.add_argument("--vocab", type=int, default=50257, help="vocabulary (default 50257, gpt2's)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per micro-batch (default 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per micro-batch (default 2)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per micro-batch (default 3)")
     parser.add_argument("--max-batch", type=int, default=64, help="largest micro-batch tried (default 64)")
     parser.add_argument("--search-s", type=float, default=60.0, help="time box of one micro-batch search, s")
     parser.add_argument("--budget-s", type=float, default=330.0, help="stop starting new searches after this, s")
@@ -65,6 +67,8 @@ def parse_args() -> argparse.Namespace:
                         help="the uncapped peer's inner.optimizer_state (default fp32: fused AdamW)")
     parser.add_argument("--no-offload", dest="offload", action="store_false",
                         help="never try the capped peer with inner.offload")
+    parser.add_argument("--measure-hopeless", action="store_true", help="also run the ways whose parameters, "
+                        "gradients and moments alone exceed the cap (by default they are skipped, with a note)")
     parser.add_argument("--offload-steps", type=int, default=3, help="timed steps of an offloaded peer (default 3)")
     parser.add_argument("--no-compile", action="store_true", help="run both loops eagerly")
     parser.add_argument("--loops", default="peer,reference", help="comma-separated (default peer,reference)")
@@ -137,7 +141,8 @@ def peer_loop(preset: str, args, device: torch.device, way: dict):
         "model.gradient_checkpointing": str(way["ckpt"]).lower(), "inner.optimizer_state": way["state"],
         "inner.offload": str(way["offload"]).lower(), "run.compile": str(not args.no_compile).lower(),
         "inner.warmup_steps": "10", "run.device": args.device})
-    model = fresh_model(preset, args, device)
+    model = fresh_model(preset, args, device).to("cpu")  # the peer builds on the host: build_inner moves it
+    _free(device)
     inner = build_inner(cfg, model, device, ranks=None)
     return model, lambda x: inner.step(lambda: x).loss
 
@@ -271,10 +276,14 @@ def run_loop(loop: str, preset: str, args, device, caps: list[float], deadline: 
     rows, search, built = [], None, None
     for cap in caps:
         set_cap(cap, device)
-        result = None
+        result, notes = None, []
         for way in attempts(loop, args, cap):
             if time.perf_counter() > deadline:
                 break
+            static = static_gib(preset, args, way)
+            if cap and static > cap and not args.measure_hopeless:
+                notes.append(f"{way}: parameters, gradients and moments alone take {static:.1f} GiB: not run")
+                continue
             if search is None or built != way:
                 search = None
                 _free(device)
@@ -291,10 +300,24 @@ def run_loop(loop: str, preset: str, args, device, caps: list[float], deadline: 
             _free(device)
         rows.append(row(loop, preset, cap, result, built, args, device, fpt_box.get("flops"),
                         timed_out=time.perf_counter() > deadline))
+        rows[-1]["notes"] = notes
         print(format_row(rows[-1]), flush=True)
     del search
     _free(device)
     return rows
+
+
+def static_gib(preset: str, args, way: dict) -> float:
+    """GiB that the fp32 parameters, their gradients and the AdamW moments take together at the optimizer step (the
+    activations come on top): 16 bytes per parameter, 10 with 8-bit moments, 4 on the device when offloaded."""
+    from transformers import AutoModelForCausalLM
+
+    from p2p_diloco.train.model import preset_config
+
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(preset_config(preset, args.vocab)).parameters())
+    per_param = 4 if way.get("offload") else 10 if way.get("state") == "8bit" else 16
+    return n * per_param / GIB
 
 
 def start_search(build, preset, args, device, way, deadline, fpt_box):

@@ -85,20 +85,22 @@ def build_training(cfg: Config, name: str, ranks: Optional[Ranks]) -> Training:
         torch.backends.cudnn.allow_tf32 = True
     data_name = name if ranks is None or ranks.rank == 0 else f"{name}/rank{ranks.rank}"
     data = build_data(cfg.data, cfg.model.seq_len, cfg.inner.batch_size, data_name, cfg.model.init_from)
-    model = build_model(cfg.model, data.vocab_size, cfg.run.seed).to(device)
+    model = build_model(cfg.model, data.vocab_size, cfg.run.seed)
     return Training(device, data, model, build_inner(cfg, model, device, ranks))
 
 
 def build_inner(cfg: Config, model: torch.nn.Module, device: torch.device, ranks: Optional[Ranks]) -> InnerTrainer:
-    """The inner loop on ``model`` (already on ``device``) with this machine's memory options: gradient
-    checkpointing, the parameters made one flat buffer, the chunked loss, torch.compile by regions
-    (train/memory.py), DDP around the loss's module on a multi-process peer, AdamW (8-bit moments if configured)."""
+    """The inner loop on ``model`` (on the host or on ``device``; moved there) with this machine's memory options:
+    gradient checkpointing, the parameters made one flat buffer on the device, the chunked loss, torch.compile by
+    regions (train/memory.py), DDP around the loss's module on a multi-process peer, AdamW (8-bit moments, or on the
+    host, if configured)."""
     if cfg.inner.offload and ranks is not None:
         raise ConfigError("inner.offload: a multi-process peer averages its gradients on the GPUs; offload is for "
                           "one-process peers (drop --nproc-per-node or inner.offload)")
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    flatten_parameters(model)
+    flatten_parameters(model, device)
+    model.to(device)  # buffers, and parameters that could not be flattened
     loss = loss_module(model, cfg.model.loss_chunk, compiled=cfg.run.compile)
     if cfg.run.compile:
         compile_regions(model, loss)

@@ -42,15 +42,17 @@ def flat_view(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 @torch.no_grad()
-def flatten_parameters(model: torch.nn.Module) -> Optional[torch.Tensor]:
-    """Make ``model``'s parameters views into one new flat buffer on their device (values unchanged); return it.
+def flatten_parameters(model: torch.nn.Module, device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
+    """Make ``model``'s parameters views into one new flat buffer on ``device`` (default: their own; values
+    unchanged); return it. From the host to a GPU this also moves them, without a second copy on the GPU (a 3B
+    model's 12 GB once, not twice, while flattening).
 
-    Call it once the model is on its device and before an optimizer or DDP is built on it. Parameters of mixed
-    dtypes or devices are left alone (None is returned, and transfers fall back to one copy per tensor)."""
+    Call it before an optimizer or DDP is built on the model. Parameters of mixed dtypes or devices are left alone
+    (None is returned, and transfers fall back to one copy per tensor)."""
     params = list(model.parameters())
     if not params or len({(p.dtype, p.device) for p in params}) != 1:
         return None
-    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=device or params[0].device)
     offset = 0
     for p in params:
         view = flat[offset:offset + p.numel()].view_as(p)
