@@ -93,14 +93,14 @@ def only_sections(command: str, allowed: Iterable[str], sources: dict[str, str])
 
 def _parse(key: str, maddr: str) -> list[str]:
     """The protocol names of ``maddr``; ConfigError naming ``key`` if it is not a multiaddr."""
+    example = f"expected e.g. /ip4/203.0.113.5/tcp/31337{'/p2p/' + EXAMPLE_ID if key.endswith(NEED_PEER_ID) else ''}"
     if not maddr.startswith("/"):
-        raise ConfigError(f"{key}: not a multiaddr: {maddr!r} (expected e.g. /ip4/203.0.113.5/tcp/31337"
-                          f"{'/p2p/' + EXAMPLE_ID if key.endswith(NEED_PEER_ID) else ''})")
+        raise ConfigError(f"{key}: not a multiaddr: {maddr!r} ({example})")
     try:
         parsed = _multiaddr_class()(maddr)
     except Exception as e:  # the multiaddr package raises several unrelated types
-        reason = str(e).rpartition(": ")[2] or type(e).__name__
-        raise ConfigError(f"{key}: invalid multiaddr {maddr!r}: {reason}") from None
+        reason = str(e).replace(f"Invalid MultiAddr {maddr!r} ", "") or type(e).__name__  # "protocol tcp: ..."
+        raise ConfigError(f"{key}: invalid multiaddr {maddr!r}: {reason} ({example})") from None
     return [p.name for p in parsed.protocols()]
 
 
