@@ -150,7 +150,8 @@ def build_parser(commands, version: str) -> argparse.ArgumentParser:
                    help="that round, from a checkpoint at it or a peer's export (run.export_every); default: the "
                         "latest round saved")
 
-    g = command("generate", "Print sampled continuations of a prompt from θ_global of a run or an exported folder.", [])
+    g = command("generate", "Print sampled continuations of a prompt from θ_global of a run or an exported folder.",
+                [])
     g.add_argument("--run-dir", required=True, metavar="DIR", help="a run folder (peer or swarm) or an exported folder")
     g.add_argument("--prompt", required=True, help="the text to continue")
     g.add_argument("--samples", type=int, default=3, help="continuations to draw (default 3)")

@@ -24,7 +24,8 @@ from p2p_diloco.config import SECTIONS, Config, ConfigError, load_config
 
 pytestmark = pytest.mark.timeout(120)
 
-NO_HIVEMIND = "import sys; sys.modules['hivemind'] = None; from p2p_diloco.cli import main; sys.exit(main(sys.argv[1:]))"
+NO_HIVEMIND = ("import sys; sys.modules['hivemind'] = None; from p2p_diloco.cli import main; "
+               "sys.exit(main(sys.argv[1:]))")
 PEER_ID = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
 FAST_S = 20.0  # generous: these errors come in about a second on an idle machine, before torch is imported
 

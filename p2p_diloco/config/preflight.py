@@ -139,7 +139,8 @@ def _check_port_free(maddr: str) -> None:
         try:
             sock.bind((host, port))
         except OSError as e:
-            raise ConfigError(f"network.host_maddrs: cannot listen on {maddr}: {_bind_advice(e, parts, port)}") from None
+            advice = _bind_advice(e, parts, port)
+            raise ConfigError(f"network.host_maddrs: cannot listen on {maddr}: {advice}") from None
 
 
 def _bind_advice(error: OSError, parts: list[str], port: int) -> str:
