@@ -3,22 +3,25 @@ so that a data-centre GPU stands for a home card) and uncapped: does it fit, the
 and MFU, for two loops on the same GPU in the same process:
 
   * peer: the peer's own inner loop (``p2p_diloco.train.replica.build_inner`` and ``InnerTrainer.step``: flat
-    parameters, AdamW, gradient clipping, one sync per step) with the memory options of train/memory.py: the AdamW
-    moments in 8 bits (torchao, if importable), the chunked loss (``--loss-chunk`` positions), torch.compile by
-    regions; gradient checkpointing only where micro-batch 1 does not fit without it;
+    parameters, AdamW, gradient clipping, one sync per step) with the options of train/memory.py and offload.py:
+    torch.compile by regions, and where memory asks for them the AdamW moments in 8 bits (torchao, if it works
+    here), the chunked loss (``--loss-chunk`` positions), gradient checkpointing, the optimizer on the host;
   * reference: the best plain loop a user could write with the same libraries: bf16 autocast, each decoder layer
     torch.compiled, the loss (head, fp32 upcast, cross-entropy) one compiled function (no fp32 logits kept), fused
-    fp32 AdamW, gradient clipping; the same rule for checkpointing.
+    fp32 AdamW, gradient clipping; gradient checkpointing where it does not fit without.
 
 Each loop searches its micro-batch: powers of two from 2 (1 if 2 does not fit), each measured with ``--warmup``
 untimed and ``--steps`` timed steps on random tokens (the loss's cost does not depend on the text), until one runs
 out of memory, gains under 3 %, or the search's time box ends; the best tokens/s is reported. The capped search runs
-first; the uncapped one goes on from there with the same model where the loop's options stay the same (the peer's
-change: capped, 8-bit moments and the chunked loss; uncapped, fused fp32 AdamW and the loss compiled in one piece).
-Ways whose parameters, gradients and AdamW moments alone exceed the cap are not run (the row's notes say so;
-``--measure-hopeless`` runs them). Compiled code is shape-generic (``assume_static_by_default = False``), so a
-search compiles once. MFU: 6·N + 12·L·d·T FLOPs per token over the device's bf16 peak (train/flops.py). Results go
-to ``--json`` after every loop, so a run cut short keeps what it measured. No hivemind is imported: only torch and transformers (and torchao) are needed.
+first; the uncapped one goes on from there with the same model where the loop's options stay the same. Each loop
+tries its ways in order until one reaches ``--enough-batch`` sequences (the fastest tried is reported): the peer first
+for speed (fused fp32 AdamW, the loss compiled in one piece), then, capped, with its memory options (8-bit moments and
+the chunked loss, then gradient checkpointing, at last the optimizer offloaded to the host); the reference without,
+then with gradient checkpointing. Ways whose parameters, gradients and AdamW moments alone exceed the cap are not
+run (the row's notes say so; ``--measure-hopeless`` runs them). Compiled code is shape-generic
+(``assume_static_by_default = False``), so a search compiles once. MFU: 6·N + 12·L·d·T FLOPs per token over the
+device's bf16 peak (train/flops.py). Results go to ``--json`` after every loop, so a run cut short keeps what it
+measured. No hivemind is imported: only torch and transformers (and torchao) are needed.
 
 Run:
 
@@ -67,6 +70,8 @@ def parse_args() -> argparse.Namespace:
                         help="the uncapped peer's inner.optimizer_state (default fp32: fused AdamW)")
     parser.add_argument("--no-offload", dest="offload", action="store_false",
                         help="never try the capped peer with inner.offload")
+    parser.add_argument("--enough-batch", type=int, default=4, help="a way that reaches this micro-batch ends the "
+                        "tries (default 4); below it the next way is tried too and the faster kept")
     parser.add_argument("--measure-hopeless", action="store_true", help="also run the ways whose parameters, "
                         "gradients and moments alone exceed the cap (by default they are skipped, with a note)")
     parser.add_argument("--offload-steps", type=int, default=3, help="timed steps of an offloaded peer (default 3)")
@@ -118,15 +123,19 @@ def fresh_model(preset: str, args, device: torch.device) -> torch.nn.Module:
 
 
 def attempts(loop: str, args, cap: float) -> list[dict]:
-    """The ways a loop is tried, in order, until one fits: a capped peer saves memory (8-bit moments, the chunked
-    loss; at last the optimizer offloaded to the host), an uncapped one time (fused fp32 AdamW, the loss compiled in
-    one piece); gradient checkpointing only where micro-batch 1 does not fit without it."""
+    """The ways a loop is tried, in order, until one reaches ``--enough-batch``: first for speed (fused fp32 AdamW,
+    the loss compiled in one piece), then, on a capped card, for memory (8-bit moments and the chunked loss, then
+    with gradient checkpointing, at last the optimizer offloaded to the host); uncapped, gradient checkpointing is
+    the only fallback. The reference has only that one."""
     if loop == "reference":
         return [{"ckpt": False}, {"ckpt": True}]
-    state, chunk = (args.optimizer_state, args.loss_chunk) if cap else (args.uncapped_optimizer_state,
-                                                                        args.uncapped_loss_chunk)
-    ways = [{"ckpt": ckpt, "state": state, "chunk": chunk, "offload": False} for ckpt in (False, True)]
-    if cap and args.offload:
+    speed = {"ckpt": False, "state": args.uncapped_optimizer_state, "chunk": args.uncapped_loss_chunk,
+             "offload": False}
+    if not cap:
+        return [speed, {**speed, "ckpt": True}]
+    memory = {"ckpt": False, "state": args.optimizer_state, "chunk": args.loss_chunk, "offload": False}
+    ways = [speed, memory, {**memory, "ckpt": True}]
+    if args.offload:
         ways.append({"ckpt": True, "state": "fp32", "chunk": args.loss_chunk, "offload": True})
     return ways
 
@@ -270,13 +279,13 @@ class Search:
 
 
 def run_loop(loop: str, preset: str, args, device, caps: list[float], deadline: float, fpt_box: dict) -> list[dict]:
-    """Rows of one loop on one preset, one per cap, each from the first of its :func:`attempts` that fits. A loop
-    whose options do not change with the cap goes on with the same model and search."""
+    """Rows of one loop on one preset, one per cap: the fastest of its :func:`attempts`, tried in order until one
+    reaches ``--enough-batch`` sequences. A search whose way is the next cap's first goes on there with its model."""
     build = peer_loop if loop == "peer" else reference_loop
     rows, search, built = [], None, None
     for cap in caps:
         set_cap(cap, device)
-        result, notes = None, []
+        best, best_way, notes = None, None, []
         for way in attempts(loop, args, cap):
             if time.perf_counter() > deadline:
                 break
@@ -294,11 +303,14 @@ def run_loop(loop: str, preset: str, args, device, caps: list[float], deadline: 
                 search.uncap()
             search.run()
             result = search.best()
-            if result is not None:
+            if result is not None and (best is None or result["tokens_per_s"] > best["tokens_per_s"]):
+                best, best_way = result, way
+            if result is not None and result["micro_batch"] >= args.enough_batch:
                 break
-            search = None  # nothing fits this way: drop the model before the next try
+            notes.append(f"{way}: " + (f"micro-batch {result['micro_batch']} at most" if result else "does not fit"))
+            search = None  # drop the model before the next way
             _free(device)
-        rows.append(row(loop, preset, cap, result, built, args, device, fpt_box.get("flops"),
+        rows.append(row(loop, preset, cap, best, best_way, args, device, fpt_box.get("flops"),
                         timed_out=time.perf_counter() > deadline))
         rows[-1]["notes"] = notes
         print(format_row(rows[-1]), flush=True)
