@@ -5,9 +5,9 @@ on the CPU, then the new parameters are copied back. On a 24 GB card this is wha
 parameters take 12 GB, and the 12 GB of gradients and 24 GB of moments (6 with 8-bit moments) stay on the host.
 
 Costs, per inner step: the gradient of every micro-batch goes to the host (4 bytes per parameter, asynchronously for
-the first micro-batch of a step, synchronously to add later ones), the CPU's AdamW step (memory-bound: ~28 bytes per
-parameter read or written), and the parameters back to the device (4 bytes per parameter). More micro-batches per
-step (inner.grad_accum) spread the last two.
+the first micro-batch of a step; later ones wait for their copy into a third pinned buffer and are added on the
+CPU), the CPU's AdamW step (memory-bound: ~28 bytes per parameter read or written), and the parameters back to the
+device (4 bytes per parameter). More micro-batches per step (inner.grad_accum) spread the last two.
 
 θ_local may be changed outside the step (θ_local ← θ_global at each round, a rebase, a checkpoint): the parameters'
 version counter says so, and the next step first copies them into the master copy.
@@ -47,6 +47,7 @@ class HostAdamW:
         self.optimizer = make(host_groups)
         self.param_groups = self.optimizer.param_groups
         self.received: set[int] = set()  # parameters whose gradient of this step reached the host
+        self.flat_staging = None  # later micro-batches' gradients land here before they are added
         self.seen_version = None  # θ_local's version after our last write; None: copy it to the host first
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._to_host)
@@ -54,12 +55,26 @@ class HostAdamW:
     @torch.no_grad()
     def _to_host(self, p: torch.Tensor) -> None:
         grad = self.host[p].grad
-        if id(p) in self.received:  # a later micro-batch of the step: add (waits for this copy)
-            grad.add_(p.grad.to("cpu", torch.float32))
+        if id(p) in self.received:  # a later micro-batch of the step: copy (waiting for it), then add
+            staging = self._staging(p)
+            staging.copy_(p.grad)
+            grad.add_(staging)
         else:  # the first: queued on the device's stream, which orders the memory's reuse after it
             grad.copy_(p.grad, non_blocking=True)
             self.received.add(id(p))
         p.grad = None
+
+    def _staging(self, p: torch.Tensor) -> torch.Tensor:
+        """A pinned host buffer the size of ``p`` (views of one buffer made at the first need: with inner.grad_accum
+        1 there is none)."""
+        if self.flat_staging is None:
+            self.flat_staging = torch.empty(self.flat.numel(), dtype=torch.float32, pin_memory=self.pin)
+            self.offsets, offset = {}, 0
+            for q in self.params:
+                self.offsets[id(q)] = offset
+                offset += q.numel()
+        start = self.offsets[id(p)]
+        return self.flat_staging[start:start + p.numel()].view(p.shape)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.received.clear()
