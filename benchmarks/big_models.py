@@ -122,6 +122,29 @@ def fresh_model(preset: str, args, device: torch.device) -> torch.nn.Module:
                                                 attn_implementation="sdpa", dtype=torch.float32)
 
 
+def offload_check(device: torch.device) -> dict:
+    """The offloaded optimizer against fused AdamW on ``device``: the tiny preset, 3 inner steps of 2 micro-batches
+    (so the staging path runs too), from the same weights; the largest differences of loss and of parameters."""
+    from p2p_diloco.config import load_config
+    from p2p_diloco.train.replica import build_inner
+
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 512, (2, 128), device=device) for _ in range(2)]
+    losses, params = {}, {}
+    for offload in (False, True):
+        cfg = load_config(overrides={"model.name": "tiny", "model.seq_len": "128", "inner.grad_accum": "2",
+                                     "inner.offload": str(offload).lower(), "inner.warmup_steps": "1"})
+        args = argparse.Namespace(vocab=512, seq_len=128)
+        inner = build_inner(cfg, fresh_model("tiny", args, torch.device("cpu")), device, ranks=None)
+        losses[offload] = []
+        for _ in range(3):
+            it = iter(batches)
+            losses[offload].append(inner.step(lambda: next(it)).loss)
+        params[offload] = torch.cat([p.detach().flatten().cpu() for p in inner.model.parameters()])
+    return {"loss_max_abs_diff": max(abs(a - b) for a, b in zip(losses[False], losses[True])),
+            "param_max_abs_diff": (params[False] - params[True]).abs().max().item(), "losses": losses[True]}
+
+
 def attempts(loop: str, args, cap: float) -> list[dict]:
     """The ways a loop is tried, in order, until one reaches ``--enough-batch``: first for speed (fused fp32 AdamW,
     the loss compiled in one piece), then, on a capped card, for memory (8-bit moments and the chunked loss, then
@@ -427,6 +450,13 @@ def main() -> None:
             "torch": torch.__version__, "seq_len": args.seq_len, "vocab": args.vocab, "steps": args.steps,
             "warmup": args.warmup, "command": " ".join(sys.argv), "peer_capped": attempts("peer", args, 24.0),
             "peer_uncapped": attempts("peer", args, 0.0)}
+    if device.type == "cuda" and args.offload:
+        try:
+            meta["offload_check"] = offload_check(device)
+        except Exception as e:  # reported, and the measurements still run
+            traceback.print_exc()
+            meta["offload_check"] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"offload on {meta['device']} against fused AdamW, 3 steps of tiny: {meta['offload_check']}", flush=True)
     rows: list[dict] = []
     for preset in args.presets.split(","):
         fpt_box: dict = {}
