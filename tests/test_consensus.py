@@ -2,7 +2,7 @@
 
 import pytest
 
-from p2p_diloco.net.consensus import PeerStatus, majority_state, sync_target
+from p2p_diloco.net.consensus import PeerStatus, majority_state, sync_target, electorate, has_quorum, quorum_size
 from p2p_diloco.ops.swarm import plan_chaos
 
 pytestmark = pytest.mark.timeout(30)
@@ -76,3 +76,44 @@ def test_deadlines_start_at_the_floors_and_grow_with_payload_and_slow_links():
     fast = DeadlineEstimator(60, 10, 2 ** 19, 300_000_000)
     fast.observe(450_000_000, 0.5)  # a fast link never tightens below the configured floors
     assert (fast.deadlines(4).allreduce_timeout, fast.deadlines(4).next_chunk_timeout) == (60, 10)
+
+
+# ---------------------------------------------------------------------------------------------- one θ_global per round
+
+def test_electorate_counts_the_live_peers_at_my_round_and_me():
+    me = PeerStatus("a", "A", 4, "x")
+    live = [PeerStatus("a", "A", 3, "old"),  # our own stale entry: we count once
+            PeerStatus("b", "B", 4, "x"), PeerStatus("c", "C", 4, "y"),  # same round, any digest: in the run
+            PeerStatus("d", "D", 2, "z"),  # behind: repairing, not in this round's group
+            PeerStatus("e", "E", 4, "x", leaving=True)]
+    assert electorate(me, live) == 3
+
+
+def test_quorum_size_is_the_upper_median_of_the_members_views():
+    assert quorum_size([16, 16, 16, 3]) == 16  # one member that sees few peers does not shrink the run
+    assert quorum_size([16, 1000, 16]) == 16   # nor does one that claims many grow it
+    assert quorum_size([0, 0]) == 0            # no views (outside a swarm): no quorum rule
+    assert quorum_size([0, 8, 8]) == 8
+
+
+@pytest.mark.parametrize("n", range(1, 33))
+def test_two_disjoint_groups_of_one_round_never_both_have_quorum(n):
+    """Every split of n peers into two groups, every member seeing all n: at most one group may commit, and one
+    does whenever the split is uneven."""
+    for k in range(0, n + 1):
+        first, second = has_quorum(k, [n] * k), has_quorum(n - k, [n] * (n - k))
+        assert not (first and second and k and n - k)
+        if 2 * k != n:
+            assert first or second
+
+
+def test_a_group_without_views_keeps_committing():
+    assert has_quorum(1, [0])  # an averager used outside a swarm announces no electorate
+
+
+def test_quorum_holders_count_every_member_of_the_majority_state():
+    from p2p_diloco.net.averaging.contribution import Contribution, quorum_holders
+
+    group = [Contribution("a", 3, "x", 10), Contribution("b", 3, "x", 0),  # no tokens: still in no other group
+             Contribution("c", 2, "old", 10)]
+    assert quorum_holders(group) == 2

@@ -41,7 +41,7 @@ def test_three_peers_agree_after_every_round_learn_and_leave_nothing(tmp_path, p
     assert all(r["bytes_sent"] > 0 and r["allreduce_s"] > 0 for r in summary["rounds"])
     assert sorted(p["name"] for p in summary["peers"]) == ["peer0", "peer1", "peer2"]
     assert all(p["rounds_completed"] == 3 and p["peer_id"] for p in summary["peers"])
-    assert "equal" in out.stdout and "DIFFER" not in out.stdout  # the per-round table
+    assert "one θ_global on 3 of 3 peers" in out.stdout and "FORK" not in out.stdout  # the per-round table
     # process_tag's teardown asserts that no peer, DHT, averager or p2pd process is left; and peers that stopped
     # normally leave no file either: no p2pd client socket in /tmp, no multiprocessing folder in TMPDIR
     left = sockets_left(socks_before)

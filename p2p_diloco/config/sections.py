@@ -61,7 +61,7 @@ class DataConfig:
                                _non_negative, "must be >= 0")
     tokenizer_threads: int = _f(1, "threads tokenizing streamed documents (Hugging Face tokenizers release the GIL, "
                                 "so each uses a core); raise it when one core cannot keep up with the GPU (see "
-                                "BENCHMARKS.md)", "threads", _positive, "must be > 0")
+                                "benchmarks/gpu.md 5.3)", "threads", _positive, "must be > 0")
 
 
 @dataclass
@@ -93,9 +93,9 @@ class InnerConfig:
                        "host memory, 10 with 8-bit moments). Slower steps: raise inner.grad_accum to spread the update. A "
                        "per-machine choice; one-process peers only")
     lr_clock: str = _f("steps", "what the lr schedule's step counts: 'steps': this peer's own inner steps (measured "
-                       "better with DyLU: BENCHMARKS.md section 9); 'rounds': the run's progress, round x H plus the "
-                       "share of this round's steps done, so every peer is at the same point of the schedule whatever "
-                       "its speed", choices=("rounds", "steps"), shared=True)
+                       "better with DyLU: benchmarks/heterogeneous.md 6.2); 'rounds': the run's progress, round x "
+                       "H plus the share of this round's steps done, so every peer is at the same point of the "
+                       "schedule whatever its speed", choices=("rounds", "steps"), shared=True)
 
 
 @dataclass
@@ -109,13 +109,13 @@ class DiLoCoConfig:
                                                                                          "delayed_nesterov"),
                               shared=True)
     outer_lr: FloatOrAuto = _f(AUTO, "ε: outer learning rate; 'auto': train/outer.py auto_outer of run.expected_peers "
-                               "and H (0.5 for every M and H measured, BENCHMARKS.md §10), resolved at start and "
-                               "published with the run's settings", "", lambda x: x == AUTO or x > 0,
+                               "and H (0.5 for every M and H measured, benchmarks/learning-quality.md 7.3), resolved "
+                               "at start and published with the run's settings", "", lambda x: x == AUTO or x > 0,
                                "must be > 0 or 'auto'", shared=True)
-    outer_momentum: FloatOrAuto = _f(AUTO, "β: outer momentum; 'auto': auto_outer's (0.5; BENCHMARKS.md §10: the "
-                                     "papers' 0.9, tuned over hundreds of rounds, ended 9-32 % above it at 20 "
-                                     "rounds)", "", lambda x: x == AUTO or 0 <= x < 1, "must be in [0, 1) or 'auto'",
-                                     shared=True)
+    outer_momentum: FloatOrAuto = _f(AUTO, "β: outer momentum; 'auto': auto_outer's (0.5; "
+                                     "benchmarks/learning-quality.md 7.3: the papers' 0.9, tuned over hundreds of "
+                                     "rounds, ended 9-32 % above it at 20 rounds)", "",
+                                     lambda x: x == AUTO or 0 <= x < 1, "must be in [0, 1) or 'auto'", shared=True)
     weight_by_tokens: bool = _f(True, "weight each peer's pseudo-gradient by the tokens it processed (else equally)",
                                 shared=True)
     dylu: bool = _f(True, "Dynamic Local Updates: the fastest live peer runs inner_steps (H) per round, every other "
@@ -151,7 +151,10 @@ class AveragingConfig:
                     choices=("scaled_fp16", "fp16", "fp32", "int8", "int4", "e3m0"), shared=True)
     min_group_size: int = _f(2, "fewest peers (this one included) a round needs to commit; alone, a peer keeps "
                              "training and retries next round", "peers", _positive, "must be > 0", shared=True)
-    target_group_size: int = _f(64, "most peers averaged in one group", "peers", _positive, "must be > 0", shared=True)
+    target_group_size: int = _f(64, "the group the first round gathers when run.expected_peers is not set; later "
+                                "rounds gather every live peer (a run larger than this is not split: two groups "
+                                "of one round could not both commit)", "peers", _positive, "must be > 0",
+                                shared=True)
     matchmaking_time: float = _f(10.0, "how long to gather a group before an all-reduce; raise on slow or busy "
                                  "links", "s", _positive, "must be > 0")
     allreduce_timeout: float = _f(120.0, "whole all-reduce, after the group formed; raise for large models on "
@@ -177,7 +180,7 @@ class AveragingConfig:
                          "(each copy clipped to clip_multiple x the median norm), centered_clip (CenteredClip from "
                          "there, centered_clip_iters times) or trimmed_mean (per value, the trim_fraction largest and "
                          "smallest dropped). Robust rules hold every member's copy of a part at once (group size x "
-                         "part size of memory per reducer; see BENCHMARKS.md)",
+                         "part size of memory per reducer; see benchmarks/robustness.md 9.1)",
                          choices=("mean", "clipped_mean", "centered_clip", "trimmed_mean"), shared=True)
     clip_multiple: float = _f(2.0, "clipped_mean, centered_clip: τ, the clipping radius as a multiple of the median "
                               "norm (of the copies, or of their distances to the center)", "x", _positive,
@@ -197,7 +200,7 @@ class AveragingConfig:
     verify_parts: bool = _f(True, "reducer checks: before committing a round, every member compares the sha256 of "
                             "the averaged parts it received from each reducer with every other member's; a reducer "
                             "that sent different bytes to different members fails the round and is named (cost: "
-                            "BENCHMARKS.md, reducer checks)", shared=True)
+                            "benchmarks/robustness.md 9.3)", shared=True)
     max_share: float = _f(2.0, "most of the vector one member reduces, as a multiple of an equal share (1 / the "
                           "members that can reduce): a declared bandwidth cannot get it more (up to one part more, "
                           "from part boundaries); 1: equal shares", "x equal share", lambda x: x >= 1,

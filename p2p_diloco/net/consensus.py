@@ -66,3 +66,45 @@ def sync_target(me: PeerStatus, roster: Sequence[PeerStatus]) -> Optional[SyncTa
     # failed donor is simply skipped by the next attempt
     holders.sort(key=lambda s: (s.reachability == "relayed", s.name))
     return SyncTarget(target_round, target_digest, [s.peer_id for s in holders])
+
+
+# ---------------------------------------------------------------------------------------------- one θ_global per round
+
+def electorate(me: PeerStatus, live: Sequence[PeerStatus]) -> int:
+    """How many peers ``me`` sees holding a θ_global of its round (itself included): the peers that could be in
+    this round's group. A member announces it with its contribution (:func:`has_quorum`)."""
+    ids = {s.peer_id for s in live if s.round == me.round and not s.leaving}
+    return len(ids | {me.peer_id})
+
+
+def quorum_size(views: Sequence[int]) -> int:
+    """The run's size at round t−1 as a group sees it: the upper median of its members' :func:`electorate` views
+    (0: a member without a view, e.g. outside a swarm, is not counted). One member's low or high claim cannot
+    move it alone."""
+    known = sorted(v for v in views if v > 0)
+    return known[len(known) // 2] if known else 0
+
+
+def has_quorum(holders: int, views: Sequence[int]) -> bool:
+    """May a group commit round t? Only if more than half of the run's peers at round t−1 are in it: ``holders`` is
+    how many of its members hold the θ_global it averages; ``views`` each member's electorate.
+
+    Why this keeps one θ_global per round: a peer is in one group per round, so two groups of round t are disjoint;
+    if at least half of each group's members see every peer of both groups in the roster, both quorum sizes are at
+    least |G1 ∪ G2|, and |G1| + |G2| ≤ |G1 ∪ G2| leaves room for at most one group holding more than half. A group
+    without quorum fails the round like any failed all-reduce (its members keep training from θ_local and rebase
+    onto the run's θ_global if another group committed). The rule's assumption is that roster views agree; a peer
+    missing from most members' views (a DHT partition) is the case it does not cover."""
+    size = quorum_size(views)
+    return size == 0 or 2 * holders > size
+
+
+def designated_leader(me: PeerStatus, live: Sequence[PeerStatus]) -> str:
+    """The peer id that gathers this round's group: the smallest id among the peers at our round that can accept
+    connections (donors: client-mode peers cannot lead). Every peer that reads the same roster names the same
+    leader, so the run forms one group instead of several racing ones; a peer whose view differs still joins the
+    declared leader that hivemind orders first. A dead leader is replaced once its roster entry expires."""
+    ids = {s.peer_id for s in live if s.round == me.round and not s.leaving and s.donor}
+    if me.donor:
+        ids.add(me.peer_id)
+    return min(ids) if ids else ""

@@ -111,6 +111,7 @@ class Exchange:
 
     def start(self, live: list) -> None:
         """This round's contribution into the buffers, and its all-reduce started; returns at once."""
+        from p2p_diloco.net import consensus
         from p2p_diloco.net.averaging import Contribution
 
         peer = self.peer
@@ -128,9 +129,14 @@ class Exchange:
                 peer.error_feedback.add_to(buffers)  # what the wire lost of our last committed contribution
         weight = peer.tokens_since_commit if peer.cfg.diloco.weight_by_tokens else 1.0
         self.announced_speed = peer.pace.steps_per_s
+        electorate, lead = 0, True  # outside a swarm (tests): no quorum rule, hivemind's own matchmaking
+        if peer.membership is not None:
+            me = peer.membership.status()
+            electorate, lead = consensus.electorate(me, live), consensus.designated_leader(me, live) == me.peer_id
         contribution = Contribution(name=peer.name, round=peer.round, digest=peer.state.digest,
-                                    tokens=peer.tokens_since_commit, steps_per_s=self.announced_speed)
-        self.pending = peer.averager.start_average(contribution, weight)
+                                    tokens=peer.tokens_since_commit, steps_per_s=self.announced_speed,
+                                    electorate=electorate)
+        self.pending = peer.averager.start_average(contribution, weight, lead=lead)
 
     def _work(self) -> list[torch.Tensor]:
         work = [torch.empty_like(p) for p in self.peer.state.params]

@@ -12,6 +12,7 @@ import json
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict
 from typing import Callable, Optional, Sequence
 
@@ -33,7 +34,10 @@ def describe_run(prefix: str, roster: Sequence[PeerStatus]) -> dict:
     for s in sorted(roster, key=lambda s: s.name):
         state = "agrees" if (s.round, s.digest) == (round_, digest) else "behind" if s.round < round_ else "differs"
         peers.append({**asdict(s), "state": state, "reachability": getattr(s, "reachability", None)})
+    at_latest = Counter(s.digest for s in basis if s.round == latest)
     return {"prefix": prefix, "fingerprint": prefix.rsplit("_", 1)[-1], "round": round_, "digest": digest,
+            # digest → live peers holding it at the latest round; more than one: the round forked
+            "digests": dict(sorted(at_latest.items(), key=lambda kv: (-kv[1], kv[0]))),
             "live_peers": len(live), "agreeing_peers": sum(p["state"] == "agrees" for p in peers if not p["leaving"]),
             # tokens of the peers now in the roster: a peer gone for longer than the roster TTL no longer counts
             "tokens_trained": sum(s.tokens_trained for s in roster),
@@ -65,6 +69,9 @@ def render(view: dict) -> str:
                      f"{_si(run['tokens_trained'])} tokens trained, {_si(run['tokens_per_s'])} tokens/s  ({stamp})")
         lines.append(f"  prefix {run['prefix']}; state {run['digest'][:12]} held by {run['agreeing_peers']} of "
                      f"{run['live_peers']} live peer(s)")
+        if len(run.get("digests", {})) > 1:
+            lines.append(f"  FORK at round {run['round']}: " + ", ".join(
+                f"{n} peer(s) on {d[:12]}" for d, n in run["digests"].items()))
         lines.append(f"  {'peer':<16} {'round':>5}  {'digest':<12}  {'state':<7} {'tokens/s':>8} {'tokens':>7}  "
                      f"{'last all-reduce':>15} {'reachability':<12} leaving")
         for p in run["peers"]:

@@ -6,7 +6,6 @@ ended by PID when the swarm finishes, fails or is interrupted.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -22,6 +21,9 @@ from p2p_diloco.config import dump_toml
 from p2p_diloco.errors import first_line, printable
 from p2p_diloco.ops.metrics import read_jsonl
 from p2p_diloco.ops.procs import stop_groups
+from p2p_diloco.ops.swarm_rounds import RoundTable, collect_rounds, hashes_agree, progress, write_summary
+
+__all__ = ["DEMO_DEFAULTS", "LocalSwarm", "collect_rounds", "run_swarm", "write_peer_config", "write_summary"]
 
 # The demo: the tiny model on the embedded corpus, tuned to learn visibly within a few minutes on 2 CPU cores.
 DEMO_DEFAULTS = {
@@ -230,7 +232,7 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
         pending = list(plan.actions)
         while True:
             rounds_seen = collect_rounds(swarm.peers)
-            table.update(rounds_seen)
+            table.update(rounds_seen, progress(swarm.peers))
             latest = max(rounds_seen, default=0)
             while pending and pending[0][0] <= latest:
                 _act(swarm, events, *pending.pop(0))
@@ -251,7 +253,7 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
         swarm.close()
         events.note_exits(swarm.peers, plan.faults)
         summary = write_summary(run_dir, swarm.peers, events.events)
-        table.update(collect_rounds(swarm.peers))
+        table.update(collect_rounds(swarm.peers), progress(swarm.peers), final=True)
     exit_codes = {name: c.proc.returncode for name, c in swarm.peers.items()}
     # peers failed on purpose end by SIGKILL: their own (kill) or the swarm's at close (stall)
     failed = {n: c for n, c in exit_codes.items() if c != 0 and not (c == -signal.SIGKILL and n in plan.faults)}
@@ -259,7 +261,9 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
          f"{run_dir / 'summary.json'}" + (f"; peers that failed: {failed}" if failed else ""))
     if report and not interrupted and summary["rounds"]:
         report_run(run_dir, swarm.peers, echo)
-    return 0 if not failed and all(_hashes_agree(r) for r in summary["rounds"]) else 1
+    if summary["forked_rounds"]:
+        echo(f"swarm: θ_global FORKED in round(s) {summary['forked_rounds']}: two groups committed different bytes")
+    return 0 if not failed and all(hashes_agree(r) for r in summary["rounds"]) else 1
 
 
 def report_run(run_dir: Path, peers: dict[str, Child], echo) -> None:
@@ -326,92 +330,3 @@ class EventLog:
                 self._exited.add(name)
                 phase = faults[name].split(":")[1] if name in faults else None
                 self.add("kill", name, phase)
-
-
-def collect_rounds(peers: dict[str, Child]) -> dict[int, dict[str, dict]]:
-    """round → peer name → that peer's committed-round record, from the peers' metrics files."""
-    rounds: dict[int, dict[str, dict]] = {}
-    for name, child in peers.items():
-        for rec in read_jsonl(child.run_dir / "metrics.jsonl"):
-            if rec.get("event") == "round" and rec.get("committed"):
-                rounds.setdefault(rec["round"], {})[name] = rec
-    return rounds
-
-
-def write_summary(run_dir: Path, peers: dict[str, Child], events: Optional[list[dict]] = None) -> dict:
-    records = {name: read_jsonl(child.run_dir / "metrics.jsonl") for name, child in peers.items()}
-    starts = [r for recs in records.values() for r in recs if r.get("event") == "start"]
-    rounds = []
-    for number, by_peer in sorted(collect_rounds(peers).items()):
-        evals = [r["eval/loss"] for r in by_peer.values() if r.get("eval/loss") is not None]
-        rounds.append({
-            "round": number,
-            "group_size": max(r["outer/group_size"] for r in by_peer.values()),
-            "mean_train_loss": _mean([r["train/loss"] for r in by_peer.values()]),
-            "eval_loss": _mean(evals) if evals else None,
-            "allreduce_s": max(r["outer/allreduce_s"] for r in by_peer.values()),
-            "bytes_sent": sum(r["outer/bytes_sent"] for r in by_peer.values()),
-            "global_params_sha256": {name: r["global_params_sha256"] for name, r in sorted(by_peer.items())},
-        })
-    summary = {
-        "run_id": next((s.get("run_id") for s in starts if s.get("run_id")), run_dir.name),
-        "initial_eval_loss": _mean([s["eval/loss"] for s in starts]) if starts else None,
-        "rounds": rounds,
-        "peers": [_peer_summary(name, recs) for name, recs in sorted(records.items())],
-        "events": list(events or []) + _state_transfers(records),
-    }
-    tmp = run_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    tmp.replace(run_dir / "summary.json")
-    return summary
-
-
-def _state_transfers(records: dict[str, list[dict]]) -> list[dict]:
-    """Joins and repairs the peers logged: who fetched which round's state, how many bytes, how fast."""
-    first = min((r["time"] for recs in records.values() for r in recs if "time" in r), default=0.0)
-    return [{"time_s": round(r["time"] - first, 2), "kind": f"state_{r['event']}", "peer": name,
-             "phase": f"round {r['round']} from {r.get('donor')}: {r['state_bytes']} bytes in {r['seconds']:.2f} s"}
-            for name, recs in records.items() for r in recs if r.get("event") in ("join", "repair")]
-
-
-def _peer_summary(name: str, recs: list[dict]) -> dict:
-    start = next((r for r in recs if r.get("event") == "start"), {})
-    committed = [r for r in recs if r.get("event") == "round" and r.get("committed")]
-    evals = [r["eval/loss"] for r in committed if r.get("eval/loss") is not None]
-    return {"name": name, "peer_id": start.get("peer_id", ""),
-            "rounds_completed": max((r["round"] for r in committed), default=0),
-            "final_eval_loss": evals[-1] if evals else start.get("eval/loss")}
-
-
-def _hashes_agree(round_summary: dict) -> bool:
-    return len(set(round_summary["global_params_sha256"].values())) == 1
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
-
-
-class RoundTable:
-    """Prints one row per round once every peer that committed it has logged it."""
-
-    def __init__(self, echo):
-        self.echo, self.printed = echo, set()
-
-    def update(self, rounds: dict[int, dict[str, dict]]) -> None:
-        if not self.printed:
-            self.echo(f"{'round':>5} {'group':>5} {'train loss':>10} {'eval loss':>9} {'allreduce s':>11} "
-                      f"{'MB sent':>8}  θ_global sha256 on every peer")
-            self.printed.add(0)
-        for number in sorted(rounds):
-            by_peer = rounds[number]
-            group = max(r["outer/group_size"] for r in by_peer.values())
-            if number in self.printed or len(by_peer) < group:
-                continue
-            self.printed.add(number)
-            evals = [r["eval/loss"] for r in by_peer.values() if r.get("eval/loss") is not None]
-            hashes = {r["global_params_sha256"] for r in by_peer.values()}
-            agree = f"equal ({next(iter(hashes))[:12]})" if len(hashes) == 1 else f"DIFFER: {len(hashes)} values"
-            eval_text = f"{_mean(evals):9.4f}" if evals else f"{'-':>9}"
-            self.echo(f"{number:5d} {group:5d} {_mean([r['train/loss'] for r in by_peer.values()]):10.4f} "
-                      f"{eval_text} {max(r['outer/allreduce_s'] for r in by_peer.values()):11.2f} "
-                      f"{sum(r['outer/bytes_sent'] for r in by_peer.values()) / 1e6:8.2f}  {agree}")

@@ -49,10 +49,16 @@ from p2p_diloco.net.averaging.verify import PartVerifier
 from p2p_diloco.net.averaging.wire import WireCodec
 from p2p_diloco.ops.procs import become_child_process
 
-from p2p_diloco.net.averaging.contribution import Contribution, choose_participants
+from p2p_diloco.net.averaging.contribution import Contribution, choose_participants, quorum_holders
+from p2p_diloco.net.consensus import has_quorum, quorum_size
 
 
 logger = logging.getLogger(__name__)
+
+
+class NoQuorum(AllreduceException):
+    """The group holds at most half of the run's peers at its round (net/consensus.py has_quorum): it does not
+    commit, so that no other group's θ_global of the same round is contradicted."""
 
 
 class MalformedRound(Exception):
@@ -118,6 +124,11 @@ class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
                            speeds=[c.steps_per_s for c in contributions])
             if len(members) < self._min_participants:
                 raise AllreduceException(f"only {len(members)} of {len(contributions)} members agree on θ_global")
+            holders, views = quorum_holders(contributions, peer_ids), [c.electorate for c in contributions]
+            if not has_quorum(holders, views):  # another group may hold the majority: it alone commits this round
+                at = summary["group_round"]
+                raise NoQuorum(f"no quorum: this group ({len(contributions)} members) holds {holders} of the "
+                               f"{quorum_size(views)} peers at round {at}; it does not commit round {at + 1}")
             left_out = accused(peer_ids, [c.suspects for c in contributions])  # they reduce nothing either
             download_bandwidths = [b if AveragingMode(m) != AveragingMode.CLIENT and i not in left_out else 0.0
                                    for i, (b, m) in enumerate(zip(bandwidths, mode_ids))]
@@ -251,9 +262,18 @@ class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
     async def _arm_fault(self, fault):
         self._fault = fault
 
+    async def _set_leading(self, leading: bool):
+        """This round, lead a group (declare ourselves in the DHT and accept joiners) or only ask the declared
+        leader to join its group: hivemind's matchmaking takes a peer that does not declare for a client."""
+        self._matchmaking.client_mode = self.client_mode or not leading
+
     async def _set_target_group_size(self, size: int):
         self._matchmaking.target_group_size = size
         self._matchmaking.potential_leaders.target_group_size = size
+        # hivemind 1.1.12 draws each member's next group-key bits from target_group_size buckets after a group forms
+        # (key_manager.update_key_on_group_assembled): a group larger than that fails with "Sample larger than
+        # population" in every member. We use no key bits (one key per run), so let it size the draw by the group.
+        self._matchmaking.group_key_manager.target_group_size = None
 
 
 def _malformed_summary(culprits: dict, contributions, peer_ids) -> dict:

@@ -20,6 +20,7 @@ class Contribution:
     steps_per_s: float = 0.0  # the member's inner-step speed: every member plans its next round from the same list
     suspects: list[str] = field(default_factory=list)  # peer ids this member leaves out (a reducer named them)
     proof: str = ""           # private runs: membership proof for the sender's PeerID, hex (net/security/gate.py)
+    electorate: int = 0       # peers this member sees at its round, itself included (net/consensus.py has_quorum)
 
 
 @dataclass
@@ -39,6 +40,17 @@ class AverageResult:
     speeds: list[float] = field(default_factory=list)  # every group member's inner steps per second (DyLU)
     reducer_bytes: int = 0                    # the most bytes our reducer held at once to combine a part
     malformed: dict = field(default_factory=dict)  # peer id -> (name, why): members a reducer refused this round
+
+
+def quorum_holders(contributions: Sequence[Contribution], peer_ids: Sequence[str] = ()) -> int:
+    """How many members of the group hold the θ_global it averages (participants, and members of that state with
+    nothing to add): each is in no other group of this round."""
+    left_out = accused(peer_ids, [c.suspects for c in contributions]) if peer_ids else set()
+    states = [(c.round, c.digest) for i, c in enumerate(contributions) if i not in left_out]
+    if not states:
+        return 0
+    best = majority_state(states)
+    return sum((c.round, c.digest) == best for c in contributions)
 
 
 def choose_participants(contributions: Sequence[Contribution], peer_ids: Sequence[str] = ()) -> list[int]:

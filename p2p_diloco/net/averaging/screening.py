@@ -21,6 +21,9 @@ from typing import Optional, Sequence
 import torch
 
 
+MAX_ELECTORATE = 1 << 20  # a view of the run's size beyond this is not a view (not counted)
+
+
 def sane_contribution(raw) -> dict:
     """``raw`` (a gathered dict from anyone) as the keyword arguments of a Contribution; malformed → no tokens."""
     fields = {"name": str, "round": int, "digest": str, "tokens": int}
@@ -30,9 +33,12 @@ def sane_contribution(raw) -> dict:
             raise ValueError
         speed = float(raw.get("steps_per_s", 0.0))
         suspects = [s for s in raw.get("suspects", ()) if isinstance(s, str)]
+        electorate = raw.get("electorate", 0)
+        electorate = electorate if type(electorate) is int and 0 <= electorate <= MAX_ELECTORATE else 0
     except (KeyError, TypeError, ValueError, AttributeError):
         return dict(name="?", round=-1, digest="", tokens=0)
-    return dict(out, steps_per_s=speed if math.isfinite(speed) and speed >= 0 else 0.0, suspects=suspects[:64])
+    return dict(out, steps_per_s=speed if math.isfinite(speed) and speed >= 0 else 0.0, suspects=suspects[:64],
+                electorate=electorate)
 
 
 def accused(peer_ids: Sequence[str], suspects: Sequence[Sequence[str]]) -> set[int]:

@@ -12,7 +12,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 from hivemind.averaging.control import AveragingStage
-from hivemind.utils import MPFuture
+from hivemind.utils import MPFuture, get_dht_time
 
 from p2p_diloco.net.averaging.aggregators import Aggregator
 from p2p_diloco.config import AveragingConfig
@@ -70,6 +70,7 @@ class Averager:
                                             matchmaking_floor=cfg.matchmaking_time)
         self.deadlines = self._estimator.deadlines(self._group_size)
         self._pending: Optional[PendingAverage] = None  # an all-reduce under way (start_average)
+        self._leading = True  # whether this peer declares itself as a leader in matchmaking (start_average)
 
     @property
     def peer_id(self) -> str:
@@ -88,6 +89,13 @@ class Averager:
         """How long a peer may look for a group (s): two matchmaking windows plus a request round trip."""
         return 2 * self.deadlines.matchmaking_time + self.cfg.request_timeout
 
+    def _scheduled_time(self, lead: bool) -> float:
+        """When this round's group starts at the latest (DHT time). The leader gathers for one matchmaking window
+        (a full group, every live peer, starts at once); a follower accepts a leader whose window ends up to two
+        windows from its own arrival (hivemind refuses a follower whose own deadline is earlier than the leader's),
+        so the leader may arrive up to one window after it."""
+        return get_dht_time() + self.deadlines.matchmaking_time * (1 if lead else 2)
+
     def observe_round(self, seconds: float) -> None:
         """A whole round's wall time (inner steps and averaging), for the matchmaking window."""
         self._estimator.observe_round(seconds)
@@ -96,16 +104,24 @@ class Averager:
         """Find a group and all-reduce the buffers; never raises, never waits beyond the configured timeouts."""
         return self.start_average(contribution, weight).result()
 
-    def start_average(self, contribution: Contribution, weight: float) -> "PendingAverage":
+    def start_average(self, contribution: Contribution, weight: float, lead: bool = True) -> "PendingAverage":
         """Start :meth:`average` in the averager's process and return at once (``diloco.overlap``). Until the
-        pending average's ``result()`` is taken, the buffers belong to the averager: :meth:`pseudo_grads` refuses."""
+        pending average's ``result()`` is taken, the buffers belong to the averager: :meth:`pseudo_grads` refuses.
+
+        ``lead``: this peer is the round's designated leader (net/consensus.py designated_leader) and gathers the
+        group; otherwise it only joins the leader's group, so that one group forms per round, not several racing
+        ones. Every peer leading (the default) is hivemind's own matchmaking."""
         self._update_deadlines()
+        if lead != self._leading:
+            self._leading = lead
+            self._averager._outer_pipe.send(("_set_leading", [], dict(leading=lead)))
         contribution = replace(contribution, suspects=[p for p, last in self.suspects.items()
                                                        if last > contribution.round])
         pending = PendingAverage(self, contribution)
         try:
             contribution = replace(contribution, proof=self._proof())
             pending.control = self._averager.step(gather=asdict(contribution), weight=float(weight), wait=False,
+                                                  scheduled_time=self._scheduled_time(lead),
                                                   timeout=self.matchmaking_timeout, allow_retries=False)
             if self.fault is not None and self.fault.due("matchmaking", contribution.round + 1):
                 self._strike_in_matchmaking(pending.control)
@@ -184,8 +200,10 @@ class Averager:
                                                                  revoked=self.access.revoked)))
 
     def set_group_size(self, size: int) -> None:
-        """Start each round's all-reduce as soon as ``size`` peers (the live roster) have gathered."""
-        size = max(self.cfg.min_group_size, min(size, self.cfg.target_group_size))
+        """Start each round's all-reduce as soon as ``size`` peers (the live roster) have gathered. Not capped at
+        ``averaging.target_group_size``: a round's group is every live peer, since two groups of one round could
+        not both commit (net/consensus.py has_quorum); the butterfly moves 2(N−1)/N × payload per peer whatever N."""
+        size = max(self.cfg.min_group_size, size)
         if size != self._group_size:
             self._group_size = size
             self._averager._outer_pipe.send(("_set_target_group_size", [], dict(size=size)))
@@ -237,6 +255,8 @@ class PendingAverage:
             begun = time.perf_counter()
             self._result = self._wait()
             self.waited = time.perf_counter() - begun
+            if self._result.error and "NoQuorum" in self._result.error:  # averager.py: the group was too small
+                self.averager._estimator.no_quorum()
             if self.averager._pending is self:
                 self.averager._pending = None
         return self._result
