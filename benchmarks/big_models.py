@@ -419,9 +419,12 @@ def table(rows: list[dict]) -> str:
         def fits(r):
             return "–" if r is None else "unmeasured" if r["unmeasured"] else "yes" if r["fits"] else "no"
 
-        def batch(r):
-            return cell(r, "micro_batch", str) + (" ckpt" if r and r.get("gradient_checkpointing") else "") + (
-                " offload" if r and r.get("offload") else "")
+        def batch(r):  # with the options it took: checkpointing, 8-bit moments, chunked loss, offload
+            if not r or not r.get("fits"):
+                return "–"
+            tags = [t for t, on in (("ckpt", r.get("gradient_checkpointing")), ("8-bit", r["optimizer_state"] == "8bit"),
+                                    ("chunked", r["loss_fn"].startswith("chunks")), ("offload", r["offload"])) if on]
+            return " ".join([str(r["micro_batch"])] + tags)
 
         ratio = (f"{p['tokens_per_s'] / f['tokens_per_s']:.3f}" if p and f and p["fits"] and f["fits"] else "–")
         lines.append(f"| {preset} | {f'{cap:g} GiB' if cap else 'none'} | {fits(p)} / {fits(f)} | {batch(p)} / "
