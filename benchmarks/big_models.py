@@ -435,6 +435,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def guarded_loop(loop, preset, args, device, caps, deadline, fpt_box, meta) -> list[dict]:
+    """:func:`run_loop`; where it fails with shape-generic compiled code, once more with torch.compile's default
+    (static shapes); a loop that still fails gives one row naming the error (the others are still measured)."""
+    for attempt in range(2):
+        try:
+            return run_loop(loop, preset, args, device, caps, deadline, fpt_box)
+        except Exception as e:
+            traceback.print_exc()
+            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            _free(device)
+            if attempt or args.no_compile or torch._dynamo.config.assume_static_by_default:
+                break
+            torch._dynamo.config.assume_static_by_default = True  # from here on, for every loop
+            torch._dynamo.reset()
+            meta["static_shapes_after"] = f"{preset} {loop}: {error}"
+    return [{"preset": preset, "loop": loop, "cap_gib": None, "fits": False, "unmeasured": True, "error": error}]
+
+
 def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
@@ -464,13 +482,7 @@ def main() -> None:
     for preset in args.presets.split(","):
         fpt_box: dict = {}
         for loop in args.loops.split(","):
-            try:
-                rows += run_loop(loop, preset, args, device, caps, deadline, fpt_box)
-            except Exception as e:  # one broken configuration must not cost the others' figures
-                traceback.print_exc()
-                rows.append({"preset": preset, "loop": loop, "cap_gib": None, "fits": False, "unmeasured": True,
-                             "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
-                _free(device)
+            rows += guarded_loop(loop, preset, args, device, caps, deadline, fpt_box, meta)
             if args.json:
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=1))
