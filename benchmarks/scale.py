@@ -1,0 +1,115 @@
+"""Scale: local swarms of N peers (no injected fault), several runs each: rounds committed, runs with any round of
+two digests, group size per round, failed round attempts, and the matchmaking and all-reduce seconds against N.
+
+Each run is ``p2p-diloco swarm`` (a bootstrap node and N peer processes on 127.0.0.1, the demo's tiny model, one
+thread per peer). Per round: the group that committed it (every peer that logged it), how many digests the peers
+committed (more than one: a fork), the all-reduce seconds (the slowest member) and the wait for a group (the
+matchmaking: ``time/wait_s`` minus the all-reduce, median over the members). On 2 cores, 32 peers are CPU-bound: the
+times are this machine's, the forks and failed attempts are the protocol's. Results go to ``--out`` (JSON lines, one
+per run) and a Markdown table is printed. Run:
+
+    python benchmarks/scale.py --peers 16 32 --runs 5 --rounds 4 --inner-steps 10 --out benchmarks/results/scale.jsonl
+    python benchmarks/scale.py --table benchmarks/results/scale.jsonl   # the table again, from the results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import demo_config, table
+
+from p2p_diloco.ops.metrics import read_jsonl
+from p2p_diloco.ops.swarm import run_swarm, write_peer_config
+
+
+def one_run(peers: int, rounds: int, inner_steps: int, timeout: float) -> dict:
+    run_dir = Path(tempfile.mkdtemp(prefix=f"scale-{peers}-"))
+    begun = time.monotonic()
+    rc = run_swarm(peers, rounds, inner_steps, str(run_dir), write_peer_config(run_dir, demo_config()),
+                   timeout=timeout, echo=lambda s: None)
+    wall = time.monotonic() - begun
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [r for p in sorted(run_dir.iterdir()) if (p / "metrics.jsonl").is_file()
+               for r in read_jsonl(p / "metrics.jsonl") if r.get("event") == "round"]
+    committed = [r for r in records if r.get("committed")]
+    per_round = []
+    for s in summary["rounds"]:
+        mine = [r for r in committed if r["round"] == s["round"]]
+        waits = [max(0.0, r["time/wait_s"] - r["outer/allreduce_s"]) for r in mine if "time/wait_s" in r]
+        per_round.append({"round": s["round"], "committed_by": s["committed_by"], "digests": len(s["digests"]),
+                          "group_size": s["group_size"], "allreduce_s": s["allreduce_s"],
+                          "matchmaking_s": statistics.median(waits) if waits else None})
+    result = {"peers": peers, "rounds": rounds, "inner_steps": inner_steps, "exit_code": rc, "wall_s": wall,
+              "rounds_committed": len(summary["rounds"]), "forked_rounds": summary["forked_rounds"],
+              "failed_attempts": summary["failed_attempts"], "per_round": per_round}
+    if rc == 0:
+        shutil.rmtree(run_dir)
+    else:
+        result["run_dir"] = str(run_dir)  # kept, to read why
+    return result
+
+
+def render(results: list[dict]) -> str:
+    rows = []
+    for n in sorted({r["peers"] for r in results}):
+        runs = [r for r in results if r["peers"] == n]
+        rounds = [x for r in runs for x in r["per_round"]]
+        full = sum(x["committed_by"] == n and x["digests"] == 1 for x in rounds)
+        mm = [x["matchmaking_s"] for x in rounds if x["matchmaking_s"] is not None]
+        rows.append([n, len(runs), f"{sum(r['rounds_committed'] for r in runs)} of {sum(r['rounds'] for r in runs)}",
+                     sum(bool(r["forked_rounds"]) for r in runs), f"{full} of {len(rounds)}",
+                     f"{min((x['group_size'] for x in rounds), default=0)}–"
+                     f"{max((x['group_size'] for x in rounds), default=0)}",
+                     sum(r["failed_attempts"] for r in runs),
+                     f"{statistics.median(mm):.2f}" if mm else "–",
+                     f"{statistics.median([x['allreduce_s'] for x in rounds]):.2f}" if rounds else "–",
+                     f"{statistics.median([r['wall_s'] for r in runs]):.0f}"])
+    return table(["N", "runs", "rounds committed", "runs with a forked round", "rounds on all N, one digest",
+                  "group size", "failed attempts", "matchmaking s (median)", "all-reduce s (median)",
+                  "wall s per run (median)"], rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("Run:")[0].strip(), epilog="Run: see the module "
+                                     "docstring", formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--inner-steps", type=int, default=10)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per run before its peers are stopped")
+    parser.add_argument("--out", type=Path, help="append each run's result (JSON line) to this file")
+    parser.add_argument("--table", type=Path, help="print the table of a results file and exit")
+    args = parser.parse_args()
+    if args.table is not None:
+        if not args.table.is_file():
+            print(f"scale.py: error: no results file {args.table}", file=sys.stderr)
+            return 2
+        print(render([json.loads(line) for line in args.table.read_text().splitlines() if line.strip()]))
+        return 0
+    if any(n < 2 for n in args.peers) or args.runs < 1 or args.rounds < 1 or args.inner_steps < 1:
+        print("scale.py: error: --peers must be >= 2 and --runs, --rounds, --inner-steps >= 1", file=sys.stderr)
+        return 2
+    results = []
+    for n in args.peers:
+        for i in range(args.runs):
+            result = one_run(n, args.rounds, args.inner_steps, args.timeout)
+            results.append(result)
+            print(f"N={n} run {i + 1}: exit {result['exit_code']}, {result['rounds_committed']} rounds, forked "
+                  f"{result['forked_rounds']}, {result['failed_attempts']} failed attempts, {result['wall_s']:.0f} s",
+                  flush=True)
+            if args.out is not None:
+                with args.out.open("a") as f:
+                    f.write(json.dumps(result) + "\n")
+    print(render(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
