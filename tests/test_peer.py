@@ -46,7 +46,7 @@ class FakeAverager:
             self.buffers[0].view(-1)[0] = float("nan")
         return AverageResult(ok=True, group_size=1, peers=[contribution.name], tokens=contribution.tokens)
 
-    def start_average(self, contribution, weight):
+    def start_average(self, contribution, weight, lead=True):
         return Ready(contribution, self.average(contribution, weight))
 
     def observe_round(self, seconds):
@@ -326,7 +326,7 @@ class TakenAt(FakeAverager):
         super().__init__(outcomes)
         self.taken_at = []
 
-    def start_average(self, contribution, weight):
+    def start_average(self, contribution, weight, lead=True):
         ready, taken = super().start_average(contribution, weight), self.taken_at
         ready.result = lambda: taken.append(self.peer.inner.step_count) or ready._result
         return ready
@@ -391,7 +391,7 @@ class Running(Ready):
 
 
 class RunsTwoSteps(FakeAverager):
-    def start_average(self, contribution, weight):
+    def start_average(self, contribution, weight, lead=True):
         return Running(contribution, self.average(contribution, weight), checks=2)
 
 
@@ -415,7 +415,7 @@ def test_overlap_times_the_inner_steps_with_and_without_a_background_allreduce(t
 class StopAtSecond(FakeAverager):
     """Asks the peer to stop once its second all-reduce is under way (a SIGTERM arriving then)."""
 
-    def start_average(self, contribution, weight):
+    def start_average(self, contribution, weight, lead=True):
         if len(self.calls) == 1:
             self.peer.stop_event.set()
         return super().start_average(contribution, weight)
