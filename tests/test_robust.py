@@ -140,7 +140,10 @@ def test_screening_is_deterministic_and_needs_a_majority():
     assert member_weights([100, 120], [0, 1], False, 8.0) == [1.0, 1.0]
     good = dict(name="p", round=3, digest="d", tokens=10, steps_per_s=2.0, suspects=["X", 5])
     assert sane_contribution(good) == dict(name="p", round=3, digest="d", tokens=10, steps_per_s=2.0,
-                                           suspects=["X"])
+                                           suspects=["X"], electorate=0)  # no view of the run: not counted
+    assert sane_contribution(dict(good, electorate=16))["electorate"] == 16
+    for claim in (-1, 1.5, "16", True, 10 ** 9):  # not a count of peers: not counted, the rest kept
+        assert sane_contribution(dict(good, electorate=claim)) == sane_contribution(good)
     for bad in (None, "x", dict(good, tokens=-1), dict(good, tokens=1.5), dict(good, round="3"), {"name": "p"}):
         assert sane_contribution(bad)["tokens"] == 0
     assert sane_contribution(dict(good, steps_per_s=float("inf")))["steps_per_s"] == 0.0
