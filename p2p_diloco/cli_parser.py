@@ -23,6 +23,10 @@ class CommandParser(argparse.ArgumentParser):
     """A command's parser. Its epilog, the config keys, is written when help is printed: the most-used keys, or
     (after ``--help-all``) every key."""
 
+    def __init__(self, *args, **kwargs):
+        # no prefixes of flags: 'peer --inner-step 3' must be refused with a hint, not taken as --inner-steps
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     key_sections: Optional[list[str]] = []  # [] reads no config; None: every section
     key_defaults: Optional[dict] = None     # the command's own defaults, shown as the keys' defaults
     key_exclude: tuple = ()                 # keys the command sets itself (swarm)
@@ -71,7 +75,7 @@ class _HelpAll(argparse.Action):
 
 def build_parser(commands, version: str) -> argparse.ArgumentParser:
     """``commands``: name -> the function running it (cli.py's ``_cmd_*``)."""
-    parser = argparse.ArgumentParser(prog="p2p-diloco", description=DESCRIPTION,
+    parser = argparse.ArgumentParser(prog="p2p-diloco", description=DESCRIPTION, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Run 'p2p-diloco COMMAND --help' for a command's options and its most-used "
                                             "config keys, 'p2p-diloco config list' for every key.")

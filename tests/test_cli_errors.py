@@ -272,3 +272,9 @@ def test_run_dir_names_the_run_folder_of_peer_and_doctor():
     for command in ("peer", "doctor"):
         out, _ = _cli(command, "--run-dir", "runs/a", "--run.run_dir=runs/b")
         _assert_one_line_error(out, "--run-dir and --run.run_dir set the same key")
+
+
+def test_a_prefix_of_a_flag_is_refused_not_taken_for_the_flag():
+    """argparse takes a unique prefix for the whole flag by default: 'peer --inner-step 3' started a real peer."""
+    out, _ = _cli("peer", "--inner-step", "3")
+    _assert_one_line_error(out, "--inner-step", "did you mean --inner-steps")
