@@ -75,6 +75,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--measure-hopeless", action="store_true", help="also run the ways whose parameters, "
                         "gradients and moments alone exceed the cap (by default they are skipped, with a note)")
     parser.add_argument("--offload-steps", type=int, default=3, help="timed steps of an offloaded peer (default 3)")
+    parser.add_argument("--reference-loss", default="shifted", choices=("shifted", "padded"),
+                        help="the reference's loss: logits of the first T-1 positions (shifted, default) or of all T "
+                        "with the last target ignored (padded, as Hugging Face's loss and the peer's)")
     parser.add_argument("--no-compile", action="store_true", help="run both loops eagerly")
     parser.add_argument("--loops", default="peer,reference", help="comma-separated (default peer,reference)")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
@@ -184,16 +187,22 @@ def _fused_loss(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
 
+def _padded_loss(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    targets = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]  # every position, the last one ignored
+    logits = torch.nn.functional.linear(hidden, weight).float()
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
 def reference_loop(preset: str, args, device: torch.device, way: dict):
     """The best plain loop a user could write: compiled layers, one compiled loss function, fused AdamW."""
     model = fresh_model(preset, args, device)
     if way["ckpt"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    loss_fn = _fused_loss
+    loss_fn = _padded_loss if args.reference_loss == "padded" else _fused_loss
     if not args.no_compile:
         for layer in model.model.layers:
             layer.compile()
-        loss_fn = torch.compile(_fused_loss)
+        loss_fn = torch.compile(loss_fn)
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
@@ -263,7 +272,8 @@ def set_cap(cap_gib: float, device: torch.device) -> None:
         return
     _free(device)
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total) if cap_gib else 1.0, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total) if cap_gib else 1.0, index)
 
 
 class Search:
@@ -470,7 +480,7 @@ def main() -> None:
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "seq_len": args.seq_len, "vocab": args.vocab, "steps": args.steps,
             "warmup": args.warmup, "command": " ".join(sys.argv), "peer_capped": attempts("peer", args, 24.0),
-            "peer_uncapped": attempts("peer", args, 0.0)}
+            "peer_uncapped": attempts("peer", args, 0.0), "reference_loss": args.reference_loss}
     if device.type == "cuda" and args.offload:
         try:
             meta["offload_check"] = offload_check(device)
