@@ -48,7 +48,9 @@ def one_run(peers: int, rounds: int, inner_steps: int, timeout: float) -> dict:
                           "matchmaking_s": statistics.median(waits) if waits else None})
     result = {"peers": peers, "rounds": rounds, "inner_steps": inner_steps, "exit_code": rc, "wall_s": wall,
               "rounds_committed": len(summary["rounds"]), "forked_rounds": summary["forked_rounds"],
-              "failed_attempts": summary["failed_attempts"], "per_round": per_round}
+              "failed_attempts": summary["failed_attempts"], "per_round": per_round,
+              "failures": [f"round {r['round']}: {str(r.get('error'))[:200]}" for r in records
+                           if not r.get("committed")]}
     if rc == 0:
         shutil.rmtree(run_dir)
     else:

@@ -117,3 +117,19 @@ def test_quorum_holders_count_every_member_of_the_majority_state():
     group = [Contribution("a", 3, "x", 10), Contribution("b", 3, "x", 0),  # no tokens: still in no other group
              Contribution("c", 2, "old", 10)]
     assert quorum_holders(group) == 2
+
+
+def test_run_size_keeps_the_largest_committed_group_until_quorum_keeps_failing():
+    from p2p_diloco.net.consensus import FORGET_AFTER, RunSize
+
+    size = RunSize(floor=8)              # run.expected_peers before any commit
+    assert size.electorate(3) == 8       # a roster read that missed peers does not shrink the quorum
+    size.committed(6)
+    assert size.electorate(3) == 8       # a smaller group does not lower it either
+    size.committed(12)
+    assert size.electorate(20) == 20 and size.electorate(5) == 12
+    for _ in range(FORGET_AFTER - 1):
+        size.no_quorum()
+    assert size.electorate(5) == 12
+    size.no_quorum()                     # the run really shrank: go by what we see
+    assert size.electorate(5) == 5

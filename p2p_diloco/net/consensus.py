@@ -108,3 +108,27 @@ def designated_leader(me: PeerStatus, live: Sequence[PeerStatus]) -> str:
     if me.donor:
         ids.add(me.peer_id)
     return min(ids) if ids else ""
+
+
+FORGET_AFTER = 3  # attempts without quorum in a row after which a peer forgets the run's size it remembered
+
+
+@dataclass
+class RunSize:
+    """A peer's lower bound on the run's size, kept across rounds: the largest group it committed with (and
+    ``run.expected_peers`` before any), so that a roster read that misses peers (a loaded DHT answers in part) does
+    not shrink the quorum. A run that really shrank (more than half of a group gone at once) fails
+    :data:`FORGET_AFTER` attempts without quorum, then its peers forget the bound and go by what they see."""
+    floor: int = 0
+    failures: int = 0
+
+    def electorate(self, seen: int) -> int:
+        return max(seen, self.floor)
+
+    def committed(self, group: int) -> None:
+        self.floor, self.failures = max(self.floor, group), 0
+
+    def no_quorum(self) -> None:
+        self.failures += 1
+        if self.failures >= FORGET_AFTER:
+            self.floor, self.failures = 0, 0

@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from p2p_diloco.net import consensus
 from p2p_diloco.train.overlap import Overlap
 
 
@@ -60,6 +61,7 @@ class Exchange:
         self.pending = None         # net.averaging.PendingAverage: the all-reduce in flight
         self.share = 0.0            # our share of the last committed average's weight (eager)
         self.peers = max(1, peer.cfg.run.expected_peers)  # the group we expect (eager's share before any commit)
+        self.run_size = consensus.RunSize(floor=peer.cfg.run.expected_peers)  # the quorum's floor (net/consensus.py)
         self.announced_speed = 0.0  # the inner-step speed we announced with our last contribution (DyLU)
         self._live_modes: list[str] = []  # the live peers' reachability when it started (explanations)
         self.settle_after = peer.cfg.diloco.overlap_steps if self.overlap is not None else 0  # τ; 0: round's end
@@ -102,6 +104,10 @@ class Exchange:
             result = pending.result()
             self._explain(result)
             arrived = result.ok and self._commit(result, pending.contribution.tokens)
+            if arrived:
+                self.run_size.committed(result.group_size)
+            elif result.error and "NoQuorum" in result.error:
+                self.run_size.no_quorum()
             settled = Settled(result, arrived, pending.waited, time.perf_counter())
         if self.overlap is not None:
             share = self.share or 1.0 / self.peers  # before any commit: an equal share
@@ -111,7 +117,6 @@ class Exchange:
 
     def start(self, live: list) -> None:
         """This round's contribution into the buffers, and its all-reduce started; returns at once."""
-        from p2p_diloco.net import consensus
         from p2p_diloco.net.averaging import Contribution
 
         peer = self.peer
@@ -132,7 +137,8 @@ class Exchange:
         electorate, lead = 0, True  # outside a swarm (tests): no quorum rule, hivemind's own matchmaking
         if peer.membership is not None:
             me = peer.membership.status()
-            electorate, lead = consensus.electorate(me, live), consensus.designated_leader(me, live) == me.peer_id
+            electorate = self.run_size.electorate(consensus.electorate(me, live))
+            lead = consensus.designated_leader(me, live) == me.peer_id
         contribution = Contribution(name=peer.name, round=peer.round, digest=peer.state.digest,
                                     tokens=peer.tokens_since_commit, steps_per_s=self.announced_speed,
                                     electorate=electorate)
