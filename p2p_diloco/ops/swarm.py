@@ -102,7 +102,7 @@ class LocalSwarm:
     peers: dict[str, Child] = field(default_factory=dict)
     spares: dict[str, Child] = field(default_factory=dict)  # restarts waiting to replace a peer of the same name
     initial_peers: list[str] = field(default_factory=list)
-    # child name ("bootstrap" or a peer's) -> command prefix, e.g. ["ip", "netns", "exec", NS] (ops/netlab.py)
+    # child name ("bootstrap" or a peer's) -> command prefix, e.g. ["ip", "netns", "exec", NS] (benchmarks/netlab.py)
     exec_prefix: dict[str, list[str]] = field(default_factory=dict)
 
     def start_bootstrap(self, timeout: float = 60.0, extra_args: list[str] = ()) -> list[str]:
