@@ -86,7 +86,7 @@ class InnerConfig:
                               "AdamW8bit, block-wise quantized: 2 bytes per parameter; needs the torchao package). A "
                               "per-machine choice: members of one run may differ", choices=("fp32", "8bit"),
                               check=lambda state: state != "8bit" or _installed("torchao"),
-                              rule="8bit needs the torchao package: pip install torchao")
+                              rule="8bit needs the torchao package: pip install 'p2p-diloco[adamw8bit]' (or torchao)")
     offload: bool = _f(False, "keep the inner AdamW's moments, an fp32 master copy of the parameters and the "
                        "gradient sums in host memory and run its update on the CPU: the GPU keeps the fp32 "
                        "parameters and the activations only (a 3B model on a 24 GB card; 16 bytes per parameter of "

@@ -128,7 +128,8 @@ def _make(groups: list[dict], state: str, lr: float, betas: tuple[float, float],
         try:
             from torchao.optim import AdamW8bit
         except ImportError:
-            raise ConfigError("inner.optimizer_state: '8bit' needs the torchao package: pip install torchao") from None
+            raise ConfigError("inner.optimizer_state: '8bit' needs the torchao package: "
+                              "pip install 'p2p-diloco[adamw8bit]' (or torchao)") from None
         return AdamW8bit(groups, lr=lr, betas=betas)
     # fused: one kernel for the whole update on CUDA (and one pass on the host for offload); None: torch's default
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda" or fused_cpu or None)
