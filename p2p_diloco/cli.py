@@ -301,7 +301,10 @@ def _raise_keyboard_interrupt(signum, frame):
 def _on_stop_signals(stop: threading.Event) -> None:
     def handler(signum, frame):
         logging.getLogger("p2p_diloco").info(f"got {signal.Signals(signum).name}: stopping after the current step")
-        stop.set()
+        # not stop.set() here: the handler runs in the main thread, which may hold the event's lock at that moment
+        # (inside Event.wait, before it blocks), and set() would then wait for it forever. Another thread sets it
+        # once the main thread has let the lock go (seen in CI: a bootstrap that logged SIGTERM and never stopped).
+        threading.Thread(target=stop.set, name="stop-signal", daemon=True).start()
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)

@@ -264,8 +264,21 @@ class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
 
     async def _set_leading(self, leading: bool):
         """This round, lead a group (declare ourselves in the DHT and accept joiners) or only ask the declared
-        leader to join its group: hivemind's matchmaking takes a peer that does not declare for a client."""
-        self._matchmaking.client_mode = self.client_mode or not leading
+        leader to join its group: hivemind's matchmaking takes a peer that does not declare for a client. A
+        follower answers a join request NOT_LOOKING_FOR_GROUP (hivemind's answer for a client would be
+        PROTOCOL_VIOLATION, as if the asker had misbehaved)."""
+        matchmaking = self._matchmaking
+        if not hasattr(matchmaking, "_reasons_to_reject"):
+            matchmaking._reasons_to_reject = matchmaking._check_reasons_to_reject
+
+            def check(request, context):
+                if matchmaking.following:
+                    return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+                return matchmaking._reasons_to_reject(request, context)
+
+            matchmaking._check_reasons_to_reject = check
+        matchmaking.following = not leading
+        matchmaking.client_mode = self.client_mode or not leading
 
     async def _set_target_group_size(self, size: int):
         self._matchmaking.target_group_size = size
