@@ -342,6 +342,15 @@ class FaultConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """This peer's Prometheus endpoint (ops/telemetry.py; the metrics: docs/guides/monitoring.md): off by default."""
+    port: int = _f(0, "serve this peer's metrics in the Prometheus text format at http://HOST:PORT/metrics; 0: off",
+                   "", lambda p: 0 <= p <= 65535, "must be a TCP port, 1 to 65535, or 0 (off)")
+    host: str = _f("127.0.0.1", "address the metrics endpoint listens on: 127.0.0.1 serves this machine only, "
+                   "0.0.0.0 every interface (the endpoint has no authentication)")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -350,6 +359,7 @@ class Config:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict:
