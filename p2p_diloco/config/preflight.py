@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterable
 
 from p2p_diloco.config.fields import ConfigError
-from p2p_diloco.config.sections import Config, ModelConfig, NetworkConfig
+from p2p_diloco.config.sections import Config, MetricsConfig, ModelConfig, NetworkConfig
 
 MADDR_KEYS = ("initial_peers", "host_maddrs", "announce_maddrs", "trusted_relays")
 NEED_PEER_ID = ("initial_peers", "trusted_relays")  # addresses we dial: p2pd needs the peer id to dial them
@@ -69,6 +69,14 @@ def check_device(device: str) -> None:
     if match.group(1) is not None and int(match.group(1)) >= torch.cuda.device_count():
         raise ConfigError(f"run.device: {device!r} but this machine has {torch.cuda.device_count()} CUDA device(s): "
                           f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}, or cuda")
+
+
+def check_metrics(metrics: MetricsConfig) -> None:
+    """The metrics endpoint's address can be bound here (ops/telemetry.py), when ``metrics.port`` turns it on."""
+    if metrics.port:
+        from p2p_diloco.ops.telemetry import check_endpoint  # prometheus_client: a fraction of a second
+
+        check_endpoint(metrics.host, metrics.port)
 
 
 def check_training(cfg: Config) -> None:

@@ -1,7 +1,8 @@
 """One metrics sink interface: records are flat dicts with namespaced keys (``train/loss``, ``outer/allreduce_s``).
 
-A peer logs through one :class:`MetricsSink` (:func:`build_sink`): the JSONL file always, and TensorBoard and
-Weights & Biases when configured (``run.tensorboard``, ``run.wandb_project``), behind one :class:`FanOut`.
+A peer logs through one :class:`MetricsSink` (:func:`build_sink`): the JSONL file always, and TensorBoard, Weights &
+Biases and the Prometheus endpoint when configured (``run.tensorboard``, ``run.wandb_project``, ``metrics.port``),
+behind one :class:`FanOut`.
 """
 
 from __future__ import annotations
@@ -113,9 +114,14 @@ class WandbSink(MetricsSink):
 
 
 def build_sink(cfg, run_dir: str | os.PathLike, name: str) -> MetricsSink:
-    """The peer's sink: ``run_dir/metrics.jsonl``, plus TensorBoard and W&B as ``cfg.run`` asks."""
+    """The peer's sink: ``run_dir/metrics.jsonl``, plus TensorBoard and W&B as ``cfg.run`` asks, and the Prometheus
+    endpoint (ops/telemetry.py) with ``metrics.port``."""
     run_dir = Path(run_dir)
     sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl")]
+    if cfg.metrics.port:
+        from p2p_diloco.ops.telemetry import PrometheusSink
+
+        sinks.append(PrometheusSink(cfg.metrics.host, cfg.metrics.port, peer=name, run_id=cfg.run.run_id))
     if cfg.run.tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
     if cfg.run.wandb_project:
