@@ -141,6 +141,8 @@ def _cmd_peer(args, overrides: dict[str, str]) -> int:
     # a rank > 0 of a multi-GPU peer (torchrun) starts no daemon: rank 0 listens on the port, maybe already
     preflight.check_network(cfg.network, listen=int(os.environ.get("RANK") or 0) == 0)
     preflight.check_training(cfg)
+    if int(os.environ.get("RANK") or 0) == 0:  # rank 0 alone serves the metrics (metrics.port)
+        preflight.check_metrics(cfg.metrics)
     from p2p_diloco.ops import ranks
 
     if args.nproc_per_node is not None:
@@ -193,6 +195,9 @@ def _cmd_swarm(args, overrides: dict[str, str]) -> int:
     slowdowns = _slowdowns(args.slowdown, args.peers)
     # validate everything before starting a single process; peers then read one effective config file
     cfg = load_config(args.config, overrides, defaults=DEMO_DEFAULTS)
+    if cfg.metrics.port:
+        raise ConfigError("metrics.port: the swarm's peers cannot share one port: run them with p2p-diloco peer, "
+                          "each with its own --metrics.port")
     preflight.check_network(cfg.network, listen=False)  # the swarm gives its nodes their addresses
     preflight.check_training(cfg)
     if not args.no_report and cfg.run.sample_every == 0:
