@@ -40,6 +40,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asy
 from hivemind.utils.streaming import combine_from_streaming
 
 from p2p_diloco.net import dht as _dht  # noqa: F401  (imported first for its torch sharing-strategy setting)
+from p2p_diloco.net import handlers as _handlers  # noqa: F401  (incoming streams' handlers held until they end)
 from p2p_diloco.net.averaging.aggregators import Aggregator
 from p2p_diloco.net.averaging.allreduce import CanonicalAllReduceRunner
 from p2p_diloco.net.security.gate import MemberGate, contribution_proof
@@ -47,7 +48,7 @@ from p2p_diloco.net.averaging.screening import accused, member_weights, sane_con
 from p2p_diloco.net.averaging.reducer_checks import capped_fractions, sane_bandwidths
 from p2p_diloco.net.averaging.verify import PartVerifier
 from p2p_diloco.net.averaging.wire import WireCodec
-from p2p_diloco.ops.procs import become_child_process
+from p2p_diloco.ops.procs import become_child_process, end_hard
 
 from p2p_diloco.net.averaging.contribution import Contribution, choose_participants, quorum_holders
 from p2p_diloco.net.consensus import has_quorum, quorum_size
@@ -95,6 +96,9 @@ class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
     def run(self):
         become_child_process()
         super().run()
+
+    def terminate(self) -> None:
+        end_hard(self)  # hivemind's fallback when shutdown() timed out: this process ignores SIGTERM
 
     async def _shutdown(self, timeout: Optional[float]) -> None:
         """hivemind 1.1.12 ends the averager's process without closing its client of the DHT's p2pd, which leaves
