@@ -22,7 +22,8 @@ NAMED = ("p2p_diloco_rounds_committed", "p2p_diloco_rounds_failed", "p2p_diloco_
          "p2p_diloco_inner_seconds", "p2p_diloco_matchmaking_seconds", "p2p_diloco_allreduce_seconds",
          "p2p_diloco_sent_bytes", "p2p_diloco_received_bytes", "p2p_diloco_train_loss", "p2p_diloco_eval_loss",
          "p2p_diloco_tokens_per_second", "p2p_diloco_group_size", "p2p_diloco_round",
-         "p2p_diloco_last_commit_age_seconds", "p2p_diloco_helper_restarts", "p2p_diloco_dropped_records")
+         "p2p_diloco_last_commit_age_seconds", "p2p_diloco_uncommitted_rounds", "p2p_diloco_helper_restarts",
+         "p2p_diloco_dropped_records")
 
 
 def _round(committed: bool, round_: int, **extra) -> dict:
@@ -80,6 +81,7 @@ def test_metrics_follow_the_round_records_without_processes():
     assert _value(f, "p2p_diloco_round") == 4
     assert _value(f, "p2p_diloco_last_commit_timestamp_seconds") == 1020.0
     assert _value(f, "p2p_diloco_last_commit_age_seconds") == 30.0
+    assert _value(f, "p2p_diloco_uncommitted_rounds") == 0  # the failed attempt was followed by a commit
 
 
 def test_metrics_commit_age_counts_from_start_before_the_first_commit():
@@ -90,6 +92,8 @@ def test_metrics_commit_age_counts_from_start_before_the_first_commit():
     f = _families(generate_latest(t.registry).decode())
     assert _value(f, "p2p_diloco_last_commit_age_seconds") == 42.0
     assert _value(f, "p2p_diloco_last_commit_timestamp_seconds") == 0
+    t.observe(_round(False, 0))
+    assert t.registry.get_sample_value("p2p_diloco_uncommitted_rounds") == 2
 
 
 def test_metrics_counts_from_other_code_are_labelled_and_bounded():

@@ -69,6 +69,9 @@ class Telemetry:
                            registry=r)
         Gauge(f"{p}_last_commit_age_seconds", "seconds since this peer's last committed round (since it started, "
               "before its first)", registry=r).set_function(self._commit_age)
+        self.uncommitted = Gauge(f"{p}_uncommitted_rounds", "averaging attempts since this peer's last committed "
+                                 "round (0 after a commit): a peer training alone while the run goes on",
+                                 registry=r)
         self.last_commit_time = Gauge(f"{p}_last_commit_timestamp_seconds", "Unix time of this peer's last "
                                       "committed round (0: none yet)", registry=r)
         self.restarts = Counter(f"{p}_helper_restarts", "restarts of a helper process of the network stack, by "
@@ -95,10 +98,12 @@ class Telemetry:
     def _observe_round(self, record: dict[str, Any]) -> None:
         if record.get("committed"):
             self.committed.inc()
+            self.uncommitted.set(0)
             self.last_commit = self.clock()
             self.last_commit_time.set(self.last_commit)
         else:
             self.failed.inc()
+            self.uncommitted.inc()
         value = {key: _number(record.get(key)) for key in (
             "time/round_s", "time/inner_s", "outer/allreduce_s", "outer/allreduce_only_s", "outer/bytes_sent",
             "outer/bytes_received", "outer/group_size", "train/loss", "train/tokens", "train/tokens_per_s")}
