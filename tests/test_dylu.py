@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from p2p_diloco.train.dylu import PaceMeter, RoundPlan, local_steps, plan_round, schedule_position
+from p2p_diloco.train.dylu import (MAX_SPEED_RATIO, PaceMeter, RoundPlan, credible_speeds, local_steps, plan_round,
+                                  schedule_position)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -24,9 +25,20 @@ def test_equal_peers_run_h_and_a_peer_never_runs_more_than_h():
     assert local_steps(9.0, [3.0], 50, 1) == 50  # we are the fastest: others' speeds never raise our H_i
 
 
-def test_min_inner_steps_bounds_a_peer_that_publishes_an_absurd_speed():
-    assert local_steps(2.0, [1e12], 500, 25) == 25
-    assert local_steps(2.0, [1e12], 500, 1) == 1
+def test_an_absurd_speed_is_capped_by_the_median_so_a_liar_cannot_cut_rounds_to_one_step():
+    # one liar among 3 honest peers of 2 steps/s: taken as MAX_SPEED_RATIO x 2, never 1e12
+    assert local_steps(2.0, [2.0, 2.0, 1e12], 500, 1) == math.floor(500 / MAX_SPEED_RATIO)
+    assert local_steps(2.0, [1e12], 500, 1) == math.floor(500 / MAX_SPEED_RATIO)  # alone with the liar: the same
+    assert local_steps(2.0, [1e12], 500, 100) == 100  # min_inner_steps still bounds it from below
+    plan = plan_round(2.0, [2.0, 1e12, math.inf, math.nan], 40, 1, dylu=True, round_start=0.0)
+    assert plan.steps == 5 and plan.deadline == 40 / 16.0, "the time budget is bounded by the cap too"
+    assert credible_speeds([1.0, 2.0, 3.0, 1e12, -5.0, math.nan]) == [1.0, 2.0, 3.0, 16.0]
+
+
+def test_every_member_of_a_group_plans_the_same_budget_from_the_same_speeds():
+    speeds = [1.0, 1.2, 30.0]  # announced in the group's all-reduce, our own among them
+    plans = [plan_round(v, speeds, 100, 1, dylu=True, round_start=0.0) for v in speeds]
+    assert len({p.deadline for p in plans}) == 1 and plans[2].steps == 100
 
 
 def test_unmeasured_or_broken_speeds_are_ignored():

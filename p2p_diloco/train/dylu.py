@@ -4,8 +4,9 @@ Peers of different speeds run different numbers of inner steps so that their rou
 measured inner steps per second of peer i and H = ``diloco.inner_steps``, peer i runs
 H_i = max(min_inner_steps, floor(v_i / max_j v_j · H)) steps, the maximum taken over the live roster (peers that
 left or whose entry expired do not count) and this peer's own speed. A peer publishing a speed it does not have can
-only make the others' rounds shorter, never longer than H, and never below ``min_inner_steps``; a dead peer stops
-counting when its roster entry expires.
+only make the others' rounds shorter, never longer than H, and never below ``min_inner_steps``; each speed is capped
+at MAX_SPEED_RATIO × the median speed (:func:`credible_speeds`), so a lie shortens rounds by that factor at most; a
+dead peer stops counting when its roster entry expires.
 
 Speeds are steps per second, not tokens per second, because machines of one run may use different micro-batches
 (the number of tokens per step is a machine setting); steps per second is what makes rounds end together.
@@ -34,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 PROBE_STEPS = 3  # a peer with no measurement yet times this many steps (training steps) before planning its round
+MAX_SPEED_RATIO = 8.0  # a speed above this multiple of the median speed is taken as this multiple (a lie or a fluke)
 
 
 class PaceMeter:
@@ -65,13 +67,33 @@ class PaceMeter:
         return statistics.median(self._tokens_per_s) if self._tokens_per_s else 0.0
 
 
+def credible_speeds(speeds: Iterable[float]) -> list[float]:
+    """The speeds DyLU may plan from: non-finite or non-positive ones (not measured yet, or garbage) dropped, and
+    each capped at :data:`MAX_SPEED_RATIO` × the lower median of them. Speeds come from the roster, which anyone can
+    write: one entry of 1e12 steps/s must not cut every peer's round to one step; liars (fewer than half of the
+    speeds) make the others' rounds at most MAX_SPEED_RATIO times shorter. The same speeds give the same result on
+    every peer (a group plans from the speeds its members announced: one time budget for all)."""
+    ok = sorted(float(v) for v in speeds if isinstance(v, (int, float)) and math.isfinite(v) and v > 0)
+    if not ok:
+        return []
+    cap = MAX_SPEED_RATIO * ok[(len(ok) - 1) // 2]
+    return [min(v, cap) for v in ok]
+
+
 def local_steps(own: float, others: Iterable[float], inner_steps: int, min_steps: int) -> int:
     """H_i of Eq. 6 for a peer of speed ``own`` (steps/s) next to the live peers' ``others``; ``inner_steps`` (H)
-    when ``own`` is unknown (<= 0). Non-finite or non-positive speeds of others (not measured yet) are ignored."""
+    when ``own`` is unknown (<= 0). Speeds, ours included, go through :func:`credible_speeds`."""
     if not own > 0 or not math.isfinite(own):
         return inner_steps
-    fastest = max([v for v in others if math.isfinite(v) and v > 0] + [own])
-    return min(inner_steps, max(min_steps, math.floor(own / fastest * inner_steps)))
+    speeds = credible_speeds(_with(own, others))
+    own = min(own, max(speeds))  # ours capped like the others'
+    return min(inner_steps, max(min_steps, math.floor(own / max(speeds) * inner_steps)))
+
+
+def _with(own: float, speeds: Iterable[float]) -> list[float]:
+    """``speeds`` and ours, counted once (a group's announced speeds already hold ours)."""
+    speeds = list(speeds)
+    return speeds if own in speeds else [*speeds, own]
 
 
 def schedule_position(round_: int, step_in_round: int, steps_in_round: int, inner_steps: int) -> float:
@@ -112,7 +134,7 @@ def plan_round(own: Optional[float], live_speeds: Iterable[float], inner_steps: 
     budget H / v_max from ``round_start`` (see the module's docstring)."""
     if not dylu or not own or not math.isfinite(own) or own <= 0:
         return RoundPlan(inner_steps)
-    speeds = [v for v in live_speeds if math.isfinite(v) and v > 0] + [own]
+    speeds = credible_speeds(_with(own, live_speeds))
     steps = local_steps(own, speeds, inner_steps, min_steps)
     return RoundPlan(steps, round_start + inner_steps / max(speeds), least=max(min_steps, steps // 2),
                      most=2 * inner_steps)
