@@ -27,6 +27,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.auth import AuthorizerBase
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2p_diloco.net.records import valid_entries
 from p2p_diloco.net.security.access import AccessKeys, ReplayGuard, read_secret
 
 logger = logging.getLogger(__name__)
@@ -157,7 +158,8 @@ class Access:
             logger.debug(f"reading the revocation list failed: {e!r}")
             return False
         records = found.value if found is not None and isinstance(found.value, dict) else {}
-        revoked = self.revoked | self.keys.revoked_peers({k: v.value for k, v in records.items()})
+        shaped = dict(valid_entries("revoked", records, lambda entry: entry.value))  # well-formed (net/records.py)
+        revoked = self.revoked | self.keys.revoked_peers(shaped)
         grown = revoked != self.revoked
         if grown:
             logger.warning(f"revoked peers: {', '.join(sorted(revoked - self.revoked))}")
