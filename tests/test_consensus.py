@@ -3,7 +3,7 @@
 import pytest
 
 from p2p_diloco.net.consensus import PeerStatus, majority_state, sync_target, electorate, has_quorum, quorum_size
-from p2p_diloco.ops.swarm import plan_chaos
+from p2p_diloco.ops.swarm import KILL_PHASES, plan_chaos, plan_kill_each_round
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -58,6 +58,21 @@ def test_chaos_plan_keeps_two_peers_alive_and_covers_every_fault(seed, peers, ro
     assert peers + kinds.count("join") - removals >= 2
     if peers >= 4:
         assert phases & {"inner", "matchmaking"}
+
+
+@pytest.mark.parametrize("peers,rounds", [(3, 4), (12, 8), (12, 13)])
+def test_kill_each_round_plan_kills_one_new_member_per_round_at_a_seeded_phase(peers, rounds):
+    plans = [plan_kill_each_round(seed, peers, rounds) for seed in range(30)]
+    assert plans[7] == plan_kill_each_round(7, peers, rounds), "a seed must give one plan"
+    for plan in plans:
+        assert plan.replace and not plan.actions
+        kills = sorted((int(f.split(":")[2]), f.split(":")[1], name) for name, f in plan.faults.items())
+        assert [r for r, _, _ in kills] == list(range(2, rounds)), "one kill in each round from 2 to the last but one"
+        assert all(f.startswith("kill:") for f in plan.faults.values())
+        assert {phase for _, phase, _ in kills} <= set(KILL_PHASES)
+    assert {f.split(":")[1] for plan in plans for f in plan.faults.values()} == set(KILL_PHASES)
+    with pytest.raises(ValueError):
+        plan_kill_each_round(0, rounds - 2, rounds)  # too few members to lose a different one each round
 
 
 def test_deadlines_start_at_the_floors_and_grow_with_payload_and_slow_links():
@@ -133,3 +148,23 @@ def test_run_size_keeps_the_largest_committed_group_until_quorum_keeps_failing()
     assert size.electorate(5) == 12
     size.no_quorum()                     # the run really shrank: go by what we see
     assert size.electorate(5) == 5
+
+
+def test_one_entry_claiming_a_far_round_is_not_followed():
+    me, honest = _s("a", 10, "x"), [_s("b", 10, "x"), _s("c", 10, "x")]
+    assert sync_target(me, [*honest, _s("evil", 10 ** 9, "e")]) is None
+    assert sync_target(me, [*honest, _s("evil", 11, "e")]) is None, "one entry just ahead is not followed either"
+    joiner = sync_target(_s("new", 0, ""), [*honest, _s("evil", 10 ** 9, "e")])
+    assert (joiner.round, joiner.digest, joiner.donors) == (10, "x", ["id-b", "id-c"])
+    # two entries far ahead of the others' median: not followed; two just ahead (a group that just committed, read
+    # before the others' entries were refreshed) are
+    assert sync_target(me, [*honest, _s("e1", 10 ** 9, "e"), _s("e2", 10 ** 9, "e")]) is None
+    ahead = sync_target(me, [*honest, _s("d", 11, "y"), _s("e", 11, "y")])
+    assert (ahead.round, ahead.donors) == (11, ["id-d", "id-e"])
+
+
+def test_a_lone_peer_ahead_is_followed_when_nobody_contradicts_it():
+    target = sync_target(_s("new", 0, ""), [_s("veteran", 100, "v")])  # a run of one peer, joined
+    assert (target.round, target.donors) == (100, ["id-veteran"])
+    target = sync_target(_s("a", 4, "x"), [_s("b", 5, "y")])  # the other member committed, we did not
+    assert target.round == 5

@@ -47,15 +47,33 @@ def majority_state(states: Sequence[tuple[int, str]]) -> tuple[int, str]:
     return _best(Counter(states))
 
 
+MAX_AHEAD = 2  # rounds above the others' median round that a claim held by two entries may be (stale roster reads)
+
+
+def credible_rounds(me: PeerStatus, others: Sequence[PeerStatus]) -> set[int]:
+    """The rounds a peer may follow: its own, any round at most the others' (lower) median round, and a round above
+    it held by at least two distinct entries and at most :data:`MAX_AHEAD` above it. The roster is written by anyone:
+    one entry claiming round 10^9 (or the median + 1) is not followed alone, so a minority cannot make the run
+    download its state; a group commits only with more than half of the run (:func:`has_quorum`), so the round it
+    commits soon is the median. Without a commit certificate the rule cannot tell one honest peer ahead of the
+    others from one liar: a run of one peer joined by two fresh peers at once is the case it gets wrong (they start
+    the run anew instead of joining it); join one at a time."""
+    rounds = sorted(s.round for s in others)
+    base = rounds[(len(rounds) - 1) // 2] if rounds else me.round
+    holders = Counter(round_ for _, round_ in {(s.peer_id, s.round) for s in others})  # distinct entries
+    return {me.round} | {r for r in rounds if r <= base or (holders[r] >= 2 and r <= base + MAX_AHEAD)}
+
+
 def sync_target(me: PeerStatus, roster: Sequence[PeerStatus]) -> Optional[SyncTarget]:
     """None if ``me`` holds the run's current state, else the state to fetch and who can serve it.
 
-    The current state is the latest round any live peer committed; if peers disagree about that round's bytes
-    (a round half-committed when a reducer died), the digest held by most of them, ties broken as in
+    The current state is the latest credible round (:func:`credible_rounds`); if peers disagree about that round's
+    bytes (a round half-committed when a reducer died), the digest held by most of them, ties broken as in
     :func:`majority_state`. A peer never repairs towards an older round.
     """
-    live = [s for s in roster if not s.leaving and s.peer_id != me.peer_id] + [me]
-    latest = max(s.round for s in live)
+    others = [s for s in roster if not s.leaving and s.peer_id != me.peer_id]
+    latest = max(credible_rounds(me, others))
+    live = [s for s in others if s.round == latest] + [me]
     at_latest = Counter((s.round, s.digest) for s in live if s.round == latest)
     target_round, target_digest = _best(at_latest)
     if (me.round, me.digest) == (target_round, target_digest):
