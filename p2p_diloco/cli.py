@@ -192,6 +192,12 @@ def _cmd_swarm(args, overrides: dict[str, str]) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
     if args.chaos is not None and (args.peers < 3 or args.rounds < 6):
         raise ConfigError("--chaos: needs --peers >= 3 and --rounds >= 6")
+    if args.kill_each_round is not None:
+        if args.chaos is not None:
+            raise ConfigError("--kill-each-round: not with --chaos (choose one plan of faults)")
+        if args.rounds < 3 or args.peers < args.rounds - 1:
+            raise ConfigError(f"--kill-each-round: needs --rounds >= 3 and --peers >= rounds - 1 (one victim per "
+                              f"round from round 2 to {args.rounds - 1}), got --peers {args.peers} --rounds {args.rounds}")
     slowdowns = _slowdowns(args.slowdown, args.peers)
     # validate everything before starting a single process; peers then read one effective config file
     cfg = load_config(args.config, overrides, defaults=DEMO_DEFAULTS)
@@ -207,7 +213,8 @@ def _cmd_swarm(args, overrides: dict[str, str]) -> int:
     # and SIGINT stops it even where it started ignored (a script's background job), as it stops a peer or bootstrap
     signal.signal(signal.SIGINT, signal.default_int_handler)
     return run_swarm(args.peers, args.rounds, args.inner_steps, args.run_dir, peer_args, timeout=args.timeout,
-                     chaos=args.chaos, slowdowns=slowdowns, echo=lambda s: print(s, flush=True),
+                     chaos=args.chaos, kill_each_round=args.kill_each_round, slowdowns=slowdowns,
+                     echo=lambda s: print(s, flush=True),
                      report=not args.no_report, bootstrap_args=_secret_args(cfg.network))
 
 

@@ -131,6 +131,10 @@ def build_parser(commands, version: str) -> argparse.ArgumentParser:
                    help="inject seeded failures: SIGKILLs during an all-reduce, inner steps or matchmaking and "
                         "while serving state, a graceful leave, two joins, a bootstrap kill (needs --peers >= 3, "
                         "--rounds >= 6)")
+    s.add_argument("--kill-each-round", type=int, default=None, metavar="SEED",
+                   help="from round 2 to the one before the last, SIGKILL one member per round at a seeded phase "
+                        "(inner, matchmaking, sending, allreduce, checks) and start a fresh peer in its place "
+                        "(needs --rounds >= 3, --peers >= rounds - 1)")
     s.add_argument("--slowdown", metavar="F[,F...]", default=None,
                    help="fault.slowdown of each peer in turn, e.g. 1,1,2,4: peer i sleeps (F - 1) x each inner "
                         "step's compute time after it, behaving like a machine F times slower (default: all 1)")

@@ -8,7 +8,9 @@ moment until a test harness removes the file ``run_dir/hold`` the peer created (
 harness can act on the network (take the peer's router down) while, say, an all-reduce is in flight. Phases:
   * ``inner``        halfway through the round's planned inner steps (at its end if DyLU's time budget ends it sooner)
   * ``matchmaking``  once the averager is looking for a group
+  * ``sending``      as a sender, after our first part went to a reducer (the rest of our parts not yet sent)
   * ``allreduce``    after the reducer has streamed its first averaged part (parts still in flight)
+  * ``checks``       once every average arrived, before the members compare what reducers sent (reducer checks)
   * ``serving``      after the first message of a state download served to a joining peer
 For ``serving`` the round is that of the state served plus one (the round the joiner will train), and the fault
 strikes at the first download served at or after that round (a joiner's arrival is not timed to the round).
@@ -23,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-PHASES = ("inner", "matchmaking", "allreduce", "serving")
+PHASES = ("inner", "matchmaking", "sending", "allreduce", "checks", "serving")
+AVERAGER_PHASES = ("sending", "allreduce", "checks")  # struck in the averager's process
 ACTIONS = ("kill", "stall", "term", "hold")
 HOLD_FILE = "hold"
 HOLD_MAX_S = 120.0

@@ -21,6 +21,7 @@ from p2p_diloco.net.deadlines import DeadlineEstimator
 from p2p_diloco.net.averaging.wire import WireCodec, payload_bytes
 from p2p_diloco.net.averaging.contribution import AverageResult, Contribution
 from p2p_diloco.net.averaging.averager import CanonicalAverager
+from p2p_diloco.ops.faults import AVERAGER_PHASES
 
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class Averager:
         self._averager = CanonicalAverager(
             buffers, dht, start=True, prefix=prefix, codec=codec, min_participants=cfg.min_group_size,
             average_codec=WireCodec(cfg.average_codec or cfg.codec, cfg.part_size_bytes),
-            fault=fault if fault is not None and fault.phase == "allreduce" else None, attack=attack,
+            fault=fault if fault is not None and fault.phase in AVERAGER_PHASES else None, attack=attack,
             aggregator=Aggregator(cfg.aggregator, cfg.clip_multiple, cfg.centered_clip_iters, cfg.trim_fraction),
             weight_by_tokens=weight_by_tokens, max_weight_ratio=cfg.max_weight_ratio,
             access_keys=access.keys if access else None, revoked=access.revoked if access else frozenset(),
