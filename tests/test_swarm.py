@@ -69,6 +69,25 @@ def test_a_run_larger_than_target_group_size_ends_each_round_on_one_theta(tmp_pa
 
 
 @pytest.mark.timeout(300)
+def test_kill_each_round_kills_a_sender_and_a_member_before_the_checks_and_replaces_them(tmp_path, process_tag):
+    """Seed 5 of --kill-each-round on 3 peers and 4 rounds: peer2 dies as a sender in round 2, peer1 once every
+    average arrived in round 3, before the reducer checks. Fresh peers take their places, and no round holds two
+    θ_global (rounds whose members die still fail for the others today: issue 23's survivable rounds)."""
+    out = _swarm(tmp_path, "--peers", "3", "--rounds", "4", "--inner-steps", "6", "--no-report",
+                 "--kill-each-round", "5")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    kills = [(e["peer"], e["phase"]) for e in summary["events"] if e["kind"] == "kill"]
+    assert kills == [("peer2", "sending"), ("peer1", "checks")], summary["events"]
+    joins = [e["peer"] for e in summary["events"] if e["kind"] == "join"]
+    assert joins == ["new0", "new1"], summary["events"]
+    assert [r["round"] for r in summary["rounds"]] == [1, 2, 3, 4] and summary["forked_rounds"] == []
+    assert all(len(set(r["global_params_sha256"].values())) == 1 for r in summary["rounds"])
+    assert any("new0" in r["global_params_sha256"] for r in summary["rounds"]), "the replacement never committed"
+    assert "FORK" not in out.stdout
+
+
+@pytest.mark.timeout(300)
 def test_restarted_swarm_resumes_from_checkpoints(tmp_path, process_tag):
     first = _swarm(tmp_path, "--peers", "2", "--rounds", "2", "--inner-steps", "8", "--no-report")
     assert first.returncode == 0, first.stdout[-3000:]

@@ -56,6 +56,7 @@ class ChaosPlan:
     # it joins at that round, resuming from the checkpoint the first one left; it replaces the first once that exited)
     actions: list[tuple[int, str, str]] = field(default_factory=list)
     peer_args: dict[str, list[str]] = field(default_factory=dict)    # peer name -> more flags (e.g. fault.attack)
+    replace: bool = False  # a fresh peer (new0, new1, ...) joins in the place of each peer killed by its fault
 
 
 def plan_chaos(seed: int, num_peers: int, rounds: int) -> ChaosPlan:
@@ -81,6 +82,25 @@ def plan_chaos(seed: int, num_peers: int, rounds: int) -> ChaosPlan:
                      (rng.randint(5, max(5, rounds - 2)), "leave", others[removals - 1]),
                      (rng.randint(2, rounds - 2), "kill_bootstrap", "bootstrap")]
     plan.actions.sort()
+    return plan
+
+
+KILL_PHASES = ("inner", "matchmaking", "sending", "allreduce", "checks")  # --kill-each-round draws from these
+
+
+def plan_kill_each_round(seed: int, num_peers: int, rounds: int) -> ChaosPlan:
+    """``--kill-each-round SEED``: from round 2 to the one before the last, one member SIGKILLed in every round at a
+    seeded phase (ops/faults.py: inner steps, matchmaking, as a sender, as a reducer mid-serving, before the reducer
+    checks); the swarm starts a fresh peer in its place (``replace``), so that N holds. Each member dies at most
+    once. Pure: the same seed gives the same plan."""
+    if rounds < 3 or num_peers < rounds - 1:
+        raise ValueError("--kill-each-round needs --rounds >= 3 and --peers >= rounds - 1 (one victim per round from "
+                         "round 2 to the one before the last)")
+    rng = random.Random(seed)
+    victims = rng.sample([f"peer{i}" for i in range(num_peers)], rounds - 2)
+    plan = ChaosPlan(replace=True)
+    for round_, victim in zip(range(2, rounds), victims):
+        plan.faults[victim] = f"kill:{rng.choice(KILL_PHASES)}:{round_}"
     return plan
 
 
@@ -193,6 +213,7 @@ def write_peer_config(run_dir: str | Path, cfg) -> list[str]:
 
 def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_args: list[str],
               timeout: Optional[float] = None, chaos: Optional[int] = None, plan: Optional[ChaosPlan] = None,
+              kill_each_round: Optional[int] = None,
               slowdowns: Optional[list[float]] = None, echo=print, report: bool = False,
               bootstrap_args: Sequence[str] = ()) -> int:
     """Run a whole swarm to completion; write ``run_dir/summary.json``; return 0 if every peer finished cleanly
@@ -202,7 +223,9 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if plan is None:
-        plan = plan_chaos(chaos, num_peers, rounds) if chaos is not None else ChaosPlan()
+        plan = (plan_chaos(chaos, num_peers, rounds) if chaos is not None
+                else plan_kill_each_round(kill_each_round, num_peers, rounds) if kill_each_round is not None
+                else ChaosPlan())
     swarm = LocalSwarm(run_dir, peer_args=[f"--run.rounds={rounds}", f"--diloco.inner_steps={inner_steps}",
                                            f"--run.expected_peers={num_peers}", *peer_args])
     table = RoundTable(echo)
@@ -238,7 +261,11 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
                 _act(swarm, events, *pending.pop(0))
             for name in swarm.swap_in_spares():
                 events.add("restart", name, "a new process, from its checkpoint")
-            events.note_exits(swarm.peers, plan.faults)
+            for killed in events.note_exits(swarm.peers, plan.faults):
+                if plan.replace and killed in plan.faults:  # N holds: a newcomer joins the run going on
+                    fresh = f"new{sum(n.startswith('new') for n in swarm.peers)}"
+                    swarm.start_peer(fresh, ["--run.expected_peers=1"])
+                    events.add("join", fresh, f"in place of {killed}, new process")
             stalled = {n for n, f in plan.faults.items() if f.startswith("stall:")} - events.thawed  # never exit
             if not swarm.spares and all(c.proc.poll() is not None for n, c in swarm.peers.items() if n not in stalled):
                 break  # every peer is done (actions still pending can no longer happen)
@@ -323,10 +350,14 @@ class EventLog:
         self.events.append(event)
         self.echo(f"event: {kind} {peer}" + (f" ({phase})" if phase else ""))
 
-    def note_exits(self, peers: dict[str, Child], faults: dict[str, str]) -> None:
-        for name, child in peers.items():
+    def note_exits(self, peers: dict[str, Child], faults: dict[str, str]) -> list[str]:
+        """Record the peers killed since the last call (kind ``kill``, with the phase of their fault); return them."""
+        killed = []
+        for name, child in list(peers.items()):
             code = child.proc.poll()
             if code == -signal.SIGKILL and name not in self._exited:
                 self._exited.add(name)
                 phase = faults[name].split(":")[1] if name in faults else None
                 self.add("kill", name, phase)
+                killed.append(name)
+        return killed

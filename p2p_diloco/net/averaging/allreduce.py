@@ -199,6 +199,8 @@ class CanonicalAllReduceRunner(AllReduceRunner):
                 self.attack.on_wire(msg)
             self.bytes_sent += len(msg.tensor_part.buffer)
             yield msg
+            if self.fault is not None and self.fault.phase == "sending":
+                self.fault.strike()  # a sender dies after its first part went out
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         """Reducer side: check each part, average it over all senders, stream the encoded average back to this
@@ -230,8 +232,8 @@ class CanonicalAllReduceRunner(AllReduceRunner):
                 part_index += 1
                 self.bytes_sent += len(encoded.buffer)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
-                if self.fault is not None:
-                    self.fault.strike()
+                if self.fault is not None and self.fault.phase == "allreduce":
+                    self.fault.strike()  # a reducer dies mid-serving
         except BaseException as e:
             ended = repr(e)  # GeneratorExit: the transport stopped reading; CancelledError: the stream was closed
             raise

@@ -147,6 +147,8 @@ class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
             except MalformedRound as e:  # every member fails this round and learns whom to leave out
                 stats = _malformed_summary(e.culprits, contributions, peer_ids)
             digests = stats.pop("digests", None)
+            if self._fault is not None and self._fault.due("checks", contributions[me].round + 1):
+                self._fault.strike()  # every average arrived; the members have not compared them yet
             if verification is not None and digests is not None:  # a failed round is never committed
                 await self._verify_parts(group_info, verification, digests)
             return dict(summary, allreduce_seconds=time.monotonic() - started, **stats)
@@ -167,7 +169,8 @@ class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
 
     async def _allreduce_round(self, group_info, round_: int, weights: list, **kwargs) -> dict:
         """The all-reduce of our buffers, with the test-only faults and attacks due in ``round_``."""
-        fault = self._fault if self._fault and self._fault.due("allreduce", round_) else None
+        fault = self._fault if self._fault and any(self._fault.due(phase, round_) for phase in ("sending", "allreduce")) \
+            else None
         attack = self._attack if self._attack is not None and self._attack.due(round_) else None
         equivocate = self._equivocate_from is not None and round_ >= self._equivocate_from
         me = group_info.peer_ids.index(self.peer_id)
