@@ -21,6 +21,7 @@ from typing import Optional
 from p2p_diloco.cli_parser import build_parser, unrecognized
 from p2p_diloco.config import SECTIONS, ConfigError, describe, load_config, parse_overrides, preflight
 from p2p_diloco.errors import JoinError
+from p2p_diloco.ops.stop import on_stop_signals
 
 USAGE_ERROR = 2
 
@@ -124,8 +125,13 @@ def _cmd_bootstrap(args, overrides: dict[str, str]) -> int:
     preflight.check_network(cfg.network)
     _setup_logging("bootstrap")
     stop = threading.Event()
-    _on_stop_signals(stop)  # the DHT's own process resets these to the default (procs.become_child_process)
-    run_bootstrap(cfg.network, stop, maddrs_file=args.maddrs_file, echo=lambda s: print(s, flush=True))
+    # nothing to save: the first signal ends the node at once (raised in the main thread, run_bootstrap's finally
+    # shuts its DHT down); the DHT's own process ignores the signal (procs.become_child_process)
+    _on_stop_signals(stop, started=lambda: False)
+    try:
+        run_bootstrap(cfg.network, stop, maddrs_file=args.maddrs_file, echo=lambda s: print(s, flush=True))
+    except KeyboardInterrupt:
+        print("bootstrap node stopped", flush=True)
     return 0
 
 
@@ -156,17 +162,21 @@ def _cmd_peer(args, overrides: dict[str, str]) -> int:
     if rank:
         _setup_logging(f"{cfg.run.name or 'peer'}/rank{rank}")
         return ranks.run_follower(cfg)
-    from p2p_diloco.peer import Peer
-
-    peer = Peer(cfg, given=given)
-    _setup_logging(peer.name)
+    stop, peer = threading.Event(), None
+    # a stop signal ends the peer cleanly once it holds state of its own (it saves it); before, it aborts the start-up
+    _on_stop_signals(stop, started=lambda: peer is not None and peer._ready)
     try:
-        peer.start()
-        # hivemind's averager sets SIGINT to "ignore" in this process when it starts: install ours after it
-        _on_stop_signals(peer.stop_event)
-        peer.run()
-    finally:
-        peer.close()
+        from p2p_diloco.peer import Peer
+
+        peer = Peer(cfg, given=given, stop_event=stop)
+        _setup_logging(peer.name)
+        try:
+            peer.start()
+            peer.run()
+        finally:
+            peer.close()
+    except KeyboardInterrupt:
+        logging.getLogger("p2p_diloco").info("stopped while starting")
     return 0
 
 
@@ -310,16 +320,10 @@ def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _on_stop_signals(stop: threading.Event) -> None:
-    def handler(signum, frame):
-        logging.getLogger("p2p_diloco").info(f"got {signal.Signals(signum).name}: stopping after the current step")
-        # not stop.set() here: the handler runs in the main thread, which may hold the event's lock at that moment
-        # (inside Event.wait, before it blocks), and set() would then wait for it forever. Another thread sets it
-        # once the main thread has let the lock go (seen in CI: a bootstrap that logged SIGTERM and never stopped).
-        threading.Thread(target=stop.set, name="stop-signal", daemon=True).start()
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+def _on_stop_signals(stop: threading.Event, started=lambda: True) -> None:
+    """SIGINT and SIGTERM set ``stop`` (before ``started()``: abort); a second one, or a stop stuck for 12 s, ends
+    the process at once (ops/stop.py)."""
+    on_stop_signals(stop, started)
 
 
 def _setup_logging(name: str, level: int = logging.INFO) -> None:

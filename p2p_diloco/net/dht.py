@@ -39,7 +39,7 @@ from p2p_diloco.net.security.auth import REVOKED_KEY, Access, bind_remote_peers
 from p2p_diloco.net.consensus import PeerStatus
 from p2p_diloco.net.security.records import PeerSignatureValidator, provide_identity
 from p2p_diloco.errors import JoinError
-from p2p_diloco.ops.procs import become_child_process, subprocesses_die_with_us
+from p2p_diloco.ops.procs import become_child_process, end_hard, subprocesses_die_with_us
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,9 @@ class DHT(hivemind.DHT):
         if self.kwargs.get("authorizer") is not None:
             bind_remote_peers()  # a private run: the authorizer refuses revoked senders (net/security/auth.py)
         super().run()
+
+    def terminate(self) -> None:
+        end_hard(self)  # hivemind's fallback when shutdown() timed out: this process ignores SIGTERM
 
 
 def safe_run_id(run_id: str) -> str:

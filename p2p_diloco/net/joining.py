@@ -9,6 +9,9 @@ so that a peer with an injected averager (tests) never loads it.
 
 from __future__ import annotations
 
+import signal
+import threading
+
 from p2p_diloco.ops.faults import parse_attack
 
 
@@ -35,11 +38,14 @@ def join_swarm(peer) -> None:
     peer.dht, choice, peer.relay_issue = nat.decide(cfg.network, peer._probe, payload_bytes(peer))
     peer.log.info(f"reachability: {choice.reason}; taking part as {choice.mode}")
     prefix = run_prefix(cfg.run.run_id, peer.fingerprint)
+    sigint = signal.getsignal(signal.SIGINT)  # hivemind's averager sets SIGINT to "ignore" in this process: keep ours
     peer.averager = Averager(peer.dht, cfg.averaging, prefix, [p.shape for p in peer.state.params],
                              client_mode=choice.mode == "client", fault=peer.fault, access=access(peer),
                              weight_by_tokens=cfg.diloco.weight_by_tokens,
                              attack=parse_attack(cfg.fault.attack, cfg.fault.attack_from),
                              equivocate_from=cfg.fault.attack_from if cfg.fault.attack == "equivocate" else None)
+    if threading.current_thread() is threading.main_thread() and sigint is not None:
+        signal.signal(signal.SIGINT, sigint)
     peer.membership = Membership(cfg, peer.dht, peer.averager, prefix, peer.name, peer.state, peer.fingerprint,
                                  peer.metrics, peer.stop_event, peer.log, reachability=choice.mode)
     maddrs = visible_maddrs(peer.dht)

@@ -14,6 +14,8 @@ harness can act on the network (take the peer's router down) while, say, an all-
   * ``serving``      after the first message of a state download served to a joining peer
 For ``serving`` the round is that of the state served plus one (the round the joiner will train), and the fault
 strikes at the first download served at or after that round (a joiner's arrival is not timed to the round).
+Round 0 means the first round that reaches the phase (a peer that joins a run going on does not know its rounds in
+advance: tests/test_stop.py parks such peers in a phase with ``hold:PHASE:0``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class Fault:
     hold_path: str = ""  # hold: the file that marks the peer as held, removed by the harness to release it
 
     def due(self, phase: str, round_: int) -> bool:
-        return phase == self.phase and round_ == self.round
+        return phase == self.phase and self.round in (0, round_)  # 0: any round (a hold strikes once)
 
     def strike(self) -> None:
         """Kill, freeze or hold the peer now. Does not return when it kills."""

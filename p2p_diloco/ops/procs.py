@@ -33,10 +33,21 @@ os.register_at_fork(before=_remember_forking_process)
 
 
 def become_child_process() -> None:
-    """First call in a forked helper process (DHT, averager): die with the parent, and do not inherit its SIGTERM
-    handler (the parent's handler only sets a stop flag; here it would make the helper ignore a kill)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    """First call in a forked helper process (DHT, averager): die with the parent, and leave stop signals to it.
+
+    SIGTERM and SIGINT are ignored here: a supervisor that signals the peer's whole process group (systemd's
+    default KillMode, Ctrl+C in a terminal, ``kill -- -PGID``) must not take the helpers away while the peer still
+    needs them to finish its step, announce that it leaves and save. The peer shuts them down itself, and the kernel
+    SIGKILLs them when it exits (PR_SET_PDEATHSIG); hivemind's fallback ``terminate()`` is a SIGKILL in our
+    subclasses (:func:`end_hard`)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent_pid=_forking_pid)
+
+
+def end_hard(process) -> None:
+    """``multiprocessing.Process.terminate`` for our helpers: SIGKILL, since they ignore SIGTERM (see above)."""
+    process.kill()
 
 
 def die_with_parent(sig: int = signal.SIGKILL, parent_pid: Optional[int] = None) -> None:
