@@ -345,17 +345,26 @@ class Peer:
                     self._drain()
                 except Exception as e:  # noqa: BLE001 - a rank of ours died: we must still announce that we leave
                     self.log.warning(f"the all-reduce in flight could not be settled on leaving: {e!r}")
-            if self.membership is not None:
-                self.membership.leave()  # others stop counting us and stop waiting for us
             if self._ready and self.cfg.run.checkpoint_every:
-                outputs.save(self)
+                outputs.save(self)  # first: a stop has 12 s (ops/stop.py), and the network below may be dead
+            if self.membership is not None:
+                _step(self.log, "announcing that we leave", self.membership.leave)  # others stop waiting for us
         finally:
             if hasattr(self, "replica"):
                 self.replica.close()  # ranks > 0 of a multi-GPU peer stop
                 self.data.train.close()
             if self.averager is not None and hasattr(self.averager, "close"):
-                self.averager.close()
+                _step(self.log, "the averager's shutdown", self.averager.close)
             if self.dht is not None:
-                self.dht.shutdown()
+                _step(self.log, "the DHT's shutdown", self.dht.shutdown)
             self.metrics.close()
+
+
+def _step(log, what: str, action) -> None:
+    """One step of :meth:`Peer.close` that may meet a dead helper (a signal to our whole process group ends p2pd
+    at once): said in one line, and the rest of the close goes on."""
+    try:
+        action()
+    except Exception as e:  # noqa: BLE001 - whatever a dead network stack raises
+        log.warning(f"{what} failed: {e!r}")
 
