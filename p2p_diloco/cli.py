@@ -1,4 +1,4 @@
-"""``p2p-diloco``: bootstrap | peer | swarm | status | revoke | export | generate | plot | doctor | config. Thin:
+"""``p2p-diloco``: bootstrap | peer | swarm | status | web | revoke | export | generate | plot | doctor | config. Thin:
 parse, build, run, and clean up in ``finally``. The parser and its help: cli_parser.py.
 
 Bad input (unknown key, wrong type, missing file, unreachable initial peer) prints one line and exits with code 2;
@@ -48,7 +48,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ConfigError, JoinError) as e:
         _fail(str(e))
         code = USAGE_ERROR
-    if args is not None and getattr(args, "func", None) is _cmd_peer:
+    if args is not None and getattr(args, "func", None) in (_cmd_peer, _cmd_web):  # see _exit_now
         _exit_now(code)
     return code
 
@@ -87,8 +87,8 @@ def version() -> str:
 
 def _parser():
     commands = {"bootstrap": _cmd_bootstrap, "peer": _cmd_peer, "doctor": _cmd_doctor, "swarm": _cmd_swarm,
-                "status": _cmd_status, "export": _cmd_export, "generate": _cmd_generate, "revoke": _cmd_revoke,
-                "plot": _cmd_plot, "config": _cmd_config}
+                "status": _cmd_status, "web": _cmd_web, "export": _cmd_export, "generate": _cmd_generate,
+                "revoke": _cmd_revoke, "plot": _cmd_plot, "config": _cmd_config}
     return build_parser(commands, version())
 
 
@@ -262,6 +262,23 @@ def _cmd_status(args, overrides: dict[str, str]) -> int:
     stop = threading.Event()
     _on_stop_signals(stop)
     return run_status(cfg, args.watch, args.json, stop, echo=lambda s: print(s, flush=True))
+
+
+def _cmd_web(args, overrides: dict[str, str]) -> int:
+    if args.initial_peers:
+        overrides = {"network.initial_peers": args.initial_peers, **overrides}
+    cfg = load_config(args.config, overrides)
+    if not cfg.network.initial_peers:
+        raise ConfigError("web: needs --initial-peers (the multiaddr of any live node of the run)")
+    preflight.check_network(cfg.network)
+    if not args.refresh > 0:
+        raise ConfigError(f"--refresh: must be > 0, got {args.refresh}")
+    from p2p_diloco.ops.web import run_web
+
+    _setup_logging("web", level=logging.WARNING)
+    stop = threading.Event()
+    _on_stop_signals(stop)
+    return run_web(cfg, args.host, args.port, args.refresh, stop, echo=lambda s: print(s, flush=True))
 
 
 def _cmd_revoke(args, overrides: dict[str, str]) -> int:

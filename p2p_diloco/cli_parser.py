@@ -148,6 +148,16 @@ def build_parser(commands, version: str) -> argparse.ArgumentParser:
                     help="refresh every SECONDS (default 5) until Ctrl-C")
     st.add_argument("--json", action="store_true", help="print JSON (one object per refresh) instead of a table")
 
+    w = command("web", "Serve a live run's page and JSON API (/api/run) from the DHT, read-only: settings, peers, "
+                "rounds and forks, refreshed live; assets ship in the package (works offline).",
+                ["network", "run", "averaging"])
+    _initial_peers(w)
+    w.add_argument("--host", default="127.0.0.1",
+                   help="address to serve the page on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
+    w.add_argument("--port", type=int, default=8080, help="port to serve the page on (default 8080; 0: any free port)")
+    w.add_argument("--refresh", type=float, default=3.0, metavar="SECONDS",
+                   help="read the run from the DHT every SECONDS (default 3)")
+
     e = command("export", "Write θ_global of a run as a Hugging Face folder (config, safetensors, tokenizer).", [])
     e.add_argument("run_dir", metavar="RUN_DIR", nargs="?",
                    help="a peer's run folder, or a swarm's (its peers' folders inside); or --run-dir")
