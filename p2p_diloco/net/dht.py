@@ -10,7 +10,8 @@ Keys under the run's prefix ``{safe_run_id}_{fingerprint}``, so runs and model s
                                  roster alone, the leavers' entries expired) learns that the run is over
 
 Run-level keys (``{safe_run_id}``: the run_id with characters other than letters, digits, ``_`` and ``-`` as ``_``):
-  * ``{safe_run_id}.runs``       index of the run's prefixes: subkey = prefix, value = {"fingerprint": ...},
+  * ``{safe_run_id}.runs``       index of the run's prefixes: subkey = peer id, value = {"prefix": ...,
+                                 "fingerprint": ...},
                                  refreshed with the roster heartbeat, so ``p2p-diloco status`` finds every
                                  prefix of a run knowing only its run_id
   * ``{safe_run_id}.config``     the run's shared settings: subkey = peer id, value ``{"settings": {"section.key":
@@ -25,7 +26,7 @@ import logging
 import os
 import re
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from typing import Optional, Sequence
 
 import hivemind
@@ -37,7 +38,9 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2p_diloco.config import ConfigError, NetworkConfig
 from p2p_diloco.net.security.auth import REVOKED_KEY, Access, bind_remote_peers
 from p2p_diloco.net.consensus import PeerStatus
+from p2p_diloco.net.records import valid_entries
 from p2p_diloco.net.security.records import PeerSignatureValidator, provide_identity
+from p2p_diloco.net.security.schema import RunRecordValidator
 from p2p_diloco.errors import JoinError
 from p2p_diloco.ops.procs import become_child_process, end_hard, subprocesses_die_with_us
 
@@ -150,7 +153,8 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
     AutoNAT verdict; ``relays``: multiaddrs of relays to reserve a slot at as soon as this node is found unreachable.
     With ``network.secret`` or ``network.secret_file``, the node speaks only to holders of the secret (net/security/auth.py).
     Its identity key is ours (``network.identity_path``, else a fresh one): records under its PeerID are signed with
-    it, and records in another PeerID's name not signed by that peer are refused (net/security/records.py).
+    it, and records in another PeerID's name not signed by that peer are refused (net/security/records.py), as are
+    malformed records under the run's keys once they are known (net/security/schema.py).
     """
     access = Access(cfg.secret, cfg.secret_file) if cfg.secret is not None or cfg.secret_file is not None else None
     _check_maddrs("network.initial_peers", cfg.initial_peers)
@@ -172,7 +176,8 @@ def _start(cfg: NetworkConfig, access: Optional[Access], identity, identity_file
         announce_maddrs=list(cfg.announce_maddrs) or None,
         identity_path=identity_file,
         check_if_identity_free=check_identity,
-        record_validators=[PeerSignatureValidator(identity, exempt_keys=[REVOKED_KEY])],
+        record_validators=[PeerSignatureValidator(identity, exempt_keys=[REVOKED_KEY]),
+                           RunRecordValidator({REVOKED_KEY: "revoked"}, access.keys if access else None)],
         client_mode=cfg.client_mode if client_mode is None else client_mode,
         startup_timeout=cfg.join_timeout,
         bootstrap_timeout=cfg.join_timeout,
@@ -272,19 +277,17 @@ def publish_status(dht: hivemind.DHT, prefix: str, status: PeerStatus, ttl: floa
 
 
 def read_roster(dht: hivemind.DHT, prefix: str, timeout: float) -> list[PeerStatus]:
-    """Every unexpired peer status of the run (malformed entries are skipped); [] if the DHT does not answer."""
-    known = {f.name for f in fields(PeerStatus)}
-    roster = []
-    for entry in _read_subkeys(dht, roster_key(prefix), timeout, "the roster").values():
-        try:  # fields this version does not know (a newer peer's) are ignored; missing ones take their default
-            roster.append(PeerStatus(**{k: v for k, v in entry.value.items() if k in known}))
-        except (TypeError, AttributeError):
-            continue
-    return roster
+    """Every valid unexpired peer status of the run (net/records.py: invalid entries are dropped and counted);
+    [] if the DHT does not answer."""
+    return valid_entries("roster", _read_subkeys(dht, roster_key(prefix), timeout, "the roster"), _value)
+
+
+def _value(entry):
+    return entry.value
 
 
 # ---------------------------------------------------------------------------------------------- the run index
-# {safe_run_id}.runs: one subkey per prefix of the run, value = {"fingerprint": ...}, expiring unless refreshed.
+# {safe_run_id}.runs: one subkey per peer id, value = {"prefix": ..., "fingerprint": ...}, expiring unless refreshed.
 
 def run_index_key(run_id: str) -> str:
     return f"{safe_run_id(run_id)}.runs"
@@ -294,12 +297,13 @@ def publish_run_index(dht: hivemind.DHT, run_id: str, prefix: str, fingerprint: 
     """Announce that ``prefix`` belongs to ``run_id`` for ``ttl`` seconds, without waiting for the store: the
     roster heartbeat that calls this must stay on time (a late heartbeat lets a live peer's entry expire), and
     a lost announcement only hides the run from ``status`` until the next heartbeat."""
-    _store_nowait(dht, run_index_key(run_id), prefix, {"fingerprint": fingerprint}, ttl)
+    _store_nowait(dht, run_index_key(run_id), str(dht.peer_id), {"prefix": prefix, "fingerprint": fingerprint}, ttl)
 
 
 def read_run_index(dht: hivemind.DHT, run_id: str, timeout: float) -> list[str]:
     """The prefixes of ``run_id`` announced within the roster TTL, sorted; [] if none or the DHT does not answer."""
-    return sorted(str(prefix) for prefix in _read_subkeys(dht, run_index_key(run_id), timeout, "the run index"))
+    return sorted(set(valid_entries("runs", _read_subkeys(dht, run_index_key(run_id), timeout, "the run index"),
+                                    _value)))
 
 
 def _store_nowait(dht: hivemind.DHT, key: str, subkey: str, value: dict, ttl: float) -> None:
@@ -335,16 +339,19 @@ def publish_run_settings(dht: hivemind.DHT, run_id: str, peer_id: str, settings:
 
 def read_run_settings(dht: hivemind.DHT, run_id: str, timeout: float) -> list[dict]:
     """Every unexpired published run settings entry of ``run_id``; [] if none or if the DHT does not answer."""
-    entries = _read_subkeys(dht, run_settings_key(run_id), timeout, "run settings")
-    return [entry.value for entry in entries.values() if isinstance(entry.value, dict)]
+    return valid_entries("config", _read_subkeys(dht, run_settings_key(run_id), timeout, "run settings"), _value)
 
 
 # ---------------------------------------------------------------------------------------------- finished peers
 # {prefix}.finished: one subkey per peer id, value = {"name": str, "round": int}.
 
+def finished_key(prefix: str) -> str:
+    return f"{prefix}.finished"
+
+
 def publish_finished(dht: hivemind.DHT, prefix: str, peer_id: str, name: str, round_: int, ttl: float,
                      timeout: float) -> bool:
-    future = dht.store(f"{prefix}.finished", subkey=peer_id, value={"name": name, "round": round_},
+    future = dht.store(finished_key(prefix), subkey=peer_id, value={"name": name, "round": round_},
                        expiration_time=get_dht_time() + ttl, return_future=True)
     try:
         return bool(future.result(timeout=timeout))
@@ -355,6 +362,4 @@ def publish_finished(dht: hivemind.DHT, prefix: str, peer_id: str, name: str, ro
 
 def read_finished(dht: hivemind.DHT, prefix: str, timeout: float) -> list[tuple[str, int]]:
     """(name, round) of every peer that left after training the whole run; [] if none or no answer."""
-    entries = _read_subkeys(dht, f"{prefix}.finished", timeout, "finished peers").values()
-    return [(str(e.value["name"]), int(e.value["round"])) for e in entries
-            if isinstance(e.value, dict) and "name" in e.value and isinstance(e.value.get("round"), int)]
+    return valid_entries("finished", _read_subkeys(dht, finished_key(prefix), timeout, "finished peers"), _value)

@@ -26,6 +26,7 @@ from p2p_diloco.config import Config, ConfigError, shared_settings
 from p2p_diloco.net.consensus import PeerStatus, SyncTarget, majority_state, sync_target
 from p2p_diloco.net.dht import (publish_finished, publish_run_index, publish_run_settings, publish_status,
                                 read_finished, read_roster, reconnect)
+from p2p_diloco.net.security import schema
 from p2p_diloco.ops.metrics import MetricsSink
 from p2p_diloco.train.global_state import GlobalState
 from p2p_diloco.train.outer import state_digests
@@ -120,6 +121,7 @@ class Membership:
 
     def enter(self) -> None:
         """Appear in the roster and the run index, serve our state, and keep both fresh until :meth:`leave`."""
+        schema.install(self.dht, self.prefix, self.cfg.run.run_id)  # refuse malformed records under the run's keys
         self.announce_run()
         self.state_changed()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="roster-heartbeat", daemon=True)
