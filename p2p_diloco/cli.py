@@ -47,8 +47,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         code = args.func(args, overrides)
     except (ConfigError, JoinError) as e:
         _fail(str(e))
-        code = USAGE_ERROR
-    if args is not None and getattr(args, "func", None) in (_cmd_peer, _cmd_web):  # see _exit_now
+        code = getattr(e, "exit_code", USAGE_ERROR)  # net/supervise.py NetworkLost: 3, the network stack is gone
+    if args is not None and getattr(args, "func", None) is _cmd_peer:
         _exit_now(code)
     return code
 
@@ -278,7 +278,9 @@ def _cmd_web(args, overrides: dict[str, str]) -> int:
     _setup_logging("web", level=logging.WARNING)
     stop = threading.Event()
     _on_stop_signals(stop)
-    return run_web(cfg, args.host, args.port, args.refresh, stop, echo=lambda s: print(s, flush=True))
+    code = run_web(cfg, args.host, args.port, args.refresh, stop, echo=lambda s: print(s, flush=True))
+    _exit_now(code)  # served and stopped: skip the interpreter's seconds of teardown (hivemind, torch)
+    return code  # not reached
 
 
 def _cmd_revoke(args, overrides: dict[str, str]) -> int:

@@ -68,6 +68,7 @@ class Peer:
         self.averager = averager
         self.fault = parse_fault(cfg.fault.inject, hold_path=str(self.run_dir / HOLD_FILE))
         self.dht = None
+        self.supervisor = None  # net.supervise.Supervisor once in a swarm: restarts a network stack whose helper died
         self.membership = None  # net.membership.Membership once in a swarm; None with an injected averager
         self.relay_issue: Optional[str] = None  # why our relay cannot serve us (client mode only), for explanations
         self.tokens_since_commit = 0  # weight of the next contribution
@@ -117,6 +118,7 @@ class Peer:
             self.log.info(f"initial eval loss {eval_loss:.4f}")
         if self.membership is not None:
             self.membership.enter()
+            joining.watch_network(self)  # a dead DHT process, p2pd or averager is found within seconds
             self.membership.wait_for_expected_peers()
             if cfg.model.init_from is not None and not resumed:
                 self.membership.check_initial_state(cfg.model.init_from)
@@ -165,6 +167,8 @@ class Peer:
     def run(self) -> None:
         """Train until ``run.rounds`` rounds are committed or a stop is requested."""
         while not self.stop_event.is_set():
+            if self.supervisor is not None:
+                self.supervisor.ensure()  # a helper died: a new network stack, rejoining (net/supervise.py)
             begun = time.perf_counter()
             roster = self.membership.roster() if self.membership else []  # one DHT read serves both checks
             if self._finished(roster):
@@ -339,6 +343,8 @@ class Peer:
         if self._closed:
             return
         self._closed = True
+        if self.supervisor is not None:
+            self.supervisor.close()  # what follows shuts the helpers down on purpose
         try:
             if self._ready:  # overlap: an all-reduce in flight is finished (others need our parts), committed if good
                 try:

@@ -26,7 +26,7 @@ import logging
 import os
 import re
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Optional, Sequence
 
 import hivemind
@@ -42,6 +42,7 @@ from p2p_diloco.net.records import valid_entries
 from p2p_diloco.net.security.records import PeerSignatureValidator, provide_identity
 from p2p_diloco.net.security.schema import RunRecordValidator
 from p2p_diloco.errors import JoinError
+from p2p_diloco.net.supervise import FailFast, HelperDied
 from p2p_diloco.ops.procs import become_child_process, end_hard, subprocesses_die_with_us
 
 logger = logging.getLogger(__name__)
@@ -52,9 +53,11 @@ logger = logging.getLogger(__name__)
 torch.multiprocessing.set_sharing_strategy("file_descriptor")
 
 
-class DHT(hivemind.DHT):
+class DHT(FailFast, hivemind.DHT):
     """hivemind.DHT whose background process, and the p2pd daemon it starts, die with the process that created it;
-    its p2pd also reports AutoNAT's verdict (:func:`nat_status`) and uses its trusted relays at once."""
+    its p2pd also reports AutoNAT's verdict (:func:`nat_status`) and uses its trusted relays at once. Calls on it
+    fail at once with HelperDied once its process or p2pd is known dead (net/supervise.py); ``relaunch(host_maddrs)``
+    starts a new node like it (same settings and identity), set by :func:`start_dht`."""
 
     def __init__(self, *args, p2pd_flags: Optional[dict] = None, **kwargs):
         self._p2pd_flags = dict(p2pd_flags or {})  # set before super().__init__, which may start the process
@@ -146,7 +149,7 @@ JOIN_RETRY_S = 2.0  # between attempts to reach the initial peers when p2pd fail
 
 
 def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_reachability: Optional[str] = None,
-              relays: Sequence[str] = ()) -> DHT:
+              relays: Sequence[str] = (), identity=None) -> DHT:
     """Start a DHT node from the [network] section; raise JoinError (one line) if it cannot join in time.
 
     ``client_mode`` overrides ``network.client_mode``; ``force_reachability`` ("public"/"private") replaces p2pd's
@@ -161,11 +164,18 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
     _check_maddrs("network.host_maddrs", cfg.host_maddrs)
     _check_maddrs("network.announce_maddrs", cfg.announce_maddrs)
     _check_maddrs("network.trusted_relays", cfg.trusted_relays)
-    identity, identity_file, check_identity, forget_file = provide_identity(cfg.identity_path)
+    restart = identity is not None  # a restart's identity is ours, and its old p2pd is dead: nothing to check
+    identity, identity_file, check_identity, forget_file = provide_identity(cfg.identity_path, identity)
+    check_identity = check_identity and not restart
     try:
-        return _start(cfg, access, identity, identity_file, check_identity, client_mode, force_reachability, relays)
+        dht = _start(cfg, access, identity, identity_file, check_identity, client_mode, force_reachability, relays)
     finally:
         forget_file()  # p2pd read it at start (a key we generated: nobody else ever sees it)
+    # a restart (net/supervise.py) keeps who we are: the same identity, even one generated for this process alone
+    dht.relaunch = lambda host_maddrs: start_dht(replace(cfg, host_maddrs=list(host_maddrs)), client_mode=client_mode,
+                                                 force_reachability=force_reachability, relays=relays,
+                                                 identity=identity)
+    return dht
 
 
 def _start(cfg: NetworkConfig, access: Optional[Access], identity, identity_file: str, check_identity: bool,
@@ -214,8 +224,20 @@ def _start(cfg: NetworkConfig, access: Optional[Access], identity, identity_file
 def reconnect(dht: hivemind.DHT, maddrs: Sequence[str], timeout: float) -> int:
     """Dial and ping these nodes again, so that they are back in this node's DHT routing table; return how many
     answered. A DHT node drops every neighbour that fails a request (a home router's outage does that to all of
-    them) and hivemind never bootstraps again by itself: without this, such a peer stays alone for good."""
-    return dht.run_coroutine(_Reconnect(list(maddrs), timeout))
+    them) and hivemind never bootstraps again by itself: without this, such a peer stays alone for good. 0 if the
+    DHT process does not answer within 2 × ``timeout`` + 5 s (two dials and a ping per node, run together)."""
+    try:
+        return dht.run_coroutine(_Reconnect(list(maddrs), timeout), return_future=True).result(timeout=2 * timeout + 5)
+    except (TimeoutError, HelperDied) as e:
+        logger.debug(f"reconnecting failed: {e!r}")
+        return 0
+
+
+def redial(dht: hivemind.DHT, maddrs: Sequence[str], timeout: float) -> None:
+    """:func:`reconnect` without waiting for the answer: from a heartbeat, which must stay on time. A node that
+    restarted (a bootstrap node after its p2pd died, net/supervise.py) knows nobody: being dialed puts us back in
+    its routing table, so that joiners find the run through it again."""
+    dht.run_coroutine(_Reconnect(list(maddrs), timeout), return_future=True)
 
 
 class _Reconnect:

@@ -30,7 +30,6 @@ def join_swarm(peer) -> None:
     """Our reachability decided, the averager and the membership made, our addresses written and said; then wait
     for ``run.join_after_round``."""
     from p2p_diloco.net import nat
-    from p2p_diloco.net.averaging import Averager
     from p2p_diloco.net.dht import run_prefix, visible_maddrs
     from p2p_diloco.net.membership import Membership
 
@@ -38,14 +37,7 @@ def join_swarm(peer) -> None:
     peer.dht, choice, peer.relay_issue = nat.decide(cfg.network, peer._probe, payload_bytes(peer))
     peer.log.info(f"reachability: {choice.reason}; taking part as {choice.mode}")
     prefix = run_prefix(cfg.run.run_id, peer.fingerprint)
-    sigint = signal.getsignal(signal.SIGINT)  # hivemind's averager sets SIGINT to "ignore" in this process: keep ours
-    peer.averager = Averager(peer.dht, cfg.averaging, prefix, [p.shape for p in peer.state.params],
-                             client_mode=choice.mode == "client", fault=peer.fault, access=access(peer),
-                             weight_by_tokens=cfg.diloco.weight_by_tokens,
-                             attack=parse_attack(cfg.fault.attack, cfg.fault.attack_from),
-                             equivocate_from=cfg.fault.attack_from if cfg.fault.attack == "equivocate" else None)
-    if threading.current_thread() is threading.main_thread() and sigint is not None:
-        signal.signal(signal.SIGINT, sigint)
+    peer.averager = _averager(peer, prefix, choice.mode, access(peer))
     peer.membership = Membership(cfg, peer.dht, peer.averager, prefix, peer.name, peer.state, peer.fingerprint,
                                  peer.metrics, peer.stop_event, peer.log, reachability=choice.mode)
     maddrs = visible_maddrs(peer.dht)
@@ -77,3 +69,63 @@ def payload_bytes(peer) -> int:
 
     a = peer.cfg.averaging
     return wire_bytes(sum(p.numel() for p in peer.state.params), a.codec, a.average_codec)
+
+
+# ---------------------------------------------------------------------------------------------- a dead helper
+def watch_network(peer) -> None:
+    """Put the peer's network stack under watch (net/supervise.py): a dead DHT process, p2pd or averager is found
+    within seconds, and ``peer.supervisor.ensure()`` at the top of each round restarts the stack through
+    :func:`rejoin`."""
+    from p2p_diloco.net.supervise import Supervisor
+
+    peer.supervisor = Supervisor(_watch(peer), lambda: rejoin(peer), peer.log, stop_event=peer.stop_event)
+
+
+def _watch(peer):
+    from p2p_diloco.net.supervise import Watch
+
+    return Watch(peer.dht, peer.averager._averager, on_down=peer.averager.abandon)
+
+
+def rejoin(peer):
+    """A new network stack in place of one whose helper died: a DHT node with the same identity, settings and
+    listen ports, an averager and a membership like the old ones (same prefix, reachability, access rules), back in
+    the roster. θ_local, θ_global, the outer state and the data position are the peer's and stay as they are; the
+    next round catches up with the run through the ordinary join/rebase path. Returns the new stack's Watch."""
+    from p2p_diloco.net.dht import visible_maddrs
+    from p2p_diloco.net.membership import Membership
+    from p2p_diloco.net.supervise import pinned_maddrs
+
+    old, members = peer.averager, peer.membership
+    members.stop()  # no leave announced: we are coming back under the same peer id
+    old.abandon("the network stack is restarting")
+    old.close()
+    if peer.dht.is_alive():
+        peer.dht.shutdown()
+    peer.dht = peer.dht.relaunch(pinned_maddrs(peer.cfg.network.host_maddrs, peer.supervisor.watch.bound))
+    peer.averager = _averager(peer, members.prefix, members.reachability, old.access)
+    if old.error_feedback is not None and peer.averager.error_feedback is not None:
+        peer.averager.error_feedback.load_state_dict(old.error_feedback.state_dict())  # not lost with the process
+    peer.membership = Membership(peer.cfg, peer.dht, peer.averager, members.prefix, peer.name, peer.state,
+                                 peer.fingerprint, peer.metrics, peer.stop_event, peer.log,
+                                 reachability=members.reachability)
+    peer.membership.work = members.work
+    (peer.run_dir / "maddrs.txt").write_text("\n".join(visible_maddrs(peer.dht)) + "\n")
+    peer.membership.enter()
+    return _watch(peer)
+
+
+def _averager(peer, prefix: str, mode: str, rules):
+    """The averaging seam for this peer's model (its process forked from this, the main, thread)."""
+    from p2p_diloco.net.averaging import Averager
+
+    cfg = peer.cfg
+    sigint = signal.getsignal(signal.SIGINT)  # hivemind's averager sets SIGINT to "ignore" in this process: keep ours
+    averager = Averager(peer.dht, cfg.averaging, prefix, [p.shape for p in peer.state.params],
+                        client_mode=mode == "client", fault=peer.fault, access=rules,
+                        weight_by_tokens=cfg.diloco.weight_by_tokens,
+                        attack=parse_attack(cfg.fault.attack, cfg.fault.attack_from),
+                        equivocate_from=cfg.fault.attack_from if cfg.fault.attack == "equivocate" else None)
+    if threading.current_thread() is threading.main_thread() and sigint is not None:
+        signal.signal(signal.SIGINT, sigint)
+    return averager

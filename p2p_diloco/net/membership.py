@@ -25,7 +25,7 @@ from typing import Optional
 from p2p_diloco.config import Config, ConfigError, shared_settings
 from p2p_diloco.net.consensus import PeerStatus, SyncTarget, majority_state, sync_target
 from p2p_diloco.net.dht import (publish_finished, publish_run_index, publish_run_settings, publish_status,
-                                read_finished, read_roster, reconnect)
+                                read_finished, read_roster, reconnect, redial)
 from p2p_diloco.net.security import schema
 from p2p_diloco.ops.metrics import MetricsSink
 from p2p_diloco.train.global_state import GlobalState
@@ -33,6 +33,7 @@ from p2p_diloco.train.outer import state_digests
 
 logger = logging.getLogger("p2p_diloco")
 FINISHED_TTL = 3600.0  # s a "finished the run" entry lasts: a peer that comes late still learns the run is over
+REDIAL_S = 30.0  # s between two dials of the initial peers from the heartbeat (a restarted bootstrap node learns us)
 
 
 class Membership:
@@ -48,6 +49,7 @@ class Membership:
         self._closed = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
         self._last_reconnect = 0.0
+        self._last_redial = time.monotonic()
         self._saw_others = False  # after an outage (not at start), reconnecting is worth a log line
         self._access_changed = threading.Event()  # a private run's secret or revocations changed (heartbeat)
         # what we report about our work in the roster (PeerStatus fields of the same names); the peer updates it
@@ -132,11 +134,19 @@ class Membership:
             self.publish()
             self.announce_run()
             self._refresh_access()
+            if self.cfg.network.initial_peers and time.monotonic() - self._last_redial >= REDIAL_S:
+                self._last_redial = time.monotonic()
+                redial(self.dht, self.cfg.network.initial_peers, self.cfg.averaging.request_timeout)
 
     def state_changed(self) -> None:
         """Our θ_global moved (commit or download): tell the roster, and serve the new state."""
         self.publish()
         self.averager.serve_state(self.donate_state, self.state.round)
+
+    def stop(self) -> None:
+        """Stop the heartbeat without announcing a leave: the network stack is restarting (net/supervise.py) and a
+        new membership takes over under the same peer id."""
+        self._closed.set()
 
     def leave(self) -> None:
         """Announce a graceful leave (others stop counting and waiting for us) and stop serving state; if we trained

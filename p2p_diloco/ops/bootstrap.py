@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Callable, Optional
 
 from p2p_diloco.config import NetworkConfig
@@ -35,38 +36,84 @@ def run_bootstrap(cfg: NetworkConfig, stop_event: threading.Event, *, maddrs_fil
     """Serve the DHT until ``stop_event`` is set. Prints the addresses to give peers and a command to join."""
     from p2p_diloco.net.dht import visible_maddrs  # hivemind loads in ~2 s: not for --help or bad input
 
-    from p2p_diloco.ops.doctor import ServeSpeedTest
-
-    dht = _start_with_relay(cfg, echo)
+    node = _Node(cfg, echo, maddrs_file, stop_event)
     try:
-        dht.run_coroutine(ServeSpeedTest())  # for p2p-diloco doctor's throughput line
-        maddrs = visible_maddrs(dht)
-        echo(f"bootstrap node {dht.peer_id} is up; identity file: {cfg.identity_path or '(none: new id each start)'}")
+        node.start(_start_with_relay(cfg, echo))
+        maddrs = visible_maddrs(node.dht)
+        echo(f"bootstrap node {node.dht.peer_id} is up; identity file: "
+             f"{cfg.identity_path or '(none: new id each start)'}")
         for maddr in maddrs:
             echo(f"  {maddr}")
         public = [m for m in maddrs if "/127.0.0.1/" not in m and "/::1/" not in m] or maddrs
         echo("join with:")
         echo(f"  p2p-diloco peer --initial-peers {public[0]}")
-        if maddrs_file:
-            _write_atomically(maddrs_file, "\n".join(maddrs) + "\n")
-        _serve(dht, cfg, stop_event, echo)
+        _serve(node, cfg, stop_event, echo)
         echo("bootstrap node stopping")
     finally:
-        dht.shutdown()
+        node.close()
 
 
-def _serve(dht, cfg: NetworkConfig, stop_event: threading.Event, echo: Callable[[str], None]) -> None:
-    """Until stopped; a private swarm's node re-reads its secret file and the revocation list (net/security/auth.py)."""
+class _Node:
+    """The bootstrap's DHT node under watch (net/supervise.py): when its process or its p2pd dies, a new node with
+    the same identity, settings and listen ports replaces it; after repeated failures NetworkLost ends the process
+    (exit code 3: systemd's Restart= starts it again)."""
+
+    def __init__(self, cfg: NetworkConfig, echo: Callable[[str], None], maddrs_file: Optional[str],
+                 stop_event: threading.Event):
+        self.cfg, self.echo, self.maddrs_file, self.stop_event = cfg, echo, maddrs_file, stop_event
+        self.dht = None
+        self.supervisor = None
+
+    def start(self, dht):
+        from p2p_diloco.net.dht import visible_maddrs
+        from p2p_diloco.net.supervise import Supervisor, Watch
+        from p2p_diloco.ops.doctor import ServeSpeedTest
+
+        self.dht = dht
+        dht.run_coroutine(ServeSpeedTest())  # for p2p-diloco doctor's throughput line
+        if self.maddrs_file:
+            _write_atomically(self.maddrs_file, "\n".join(visible_maddrs(dht)) + "\n")
+        watch = Watch(dht)
+        if self.supervisor is None:
+            self.supervisor = Supervisor(watch, self._restart, logger, what="the DHT node", then="serving again",
+                                         stop_event=self.stop_event)
+        return watch
+
+    def _restart(self):
+        from dataclasses import replace
+
+        from p2p_diloco.net.supervise import pinned_maddrs
+
+        if self.dht.is_alive():
+            self.dht.shutdown()
+        host = pinned_maddrs(self.cfg.host_maddrs, self.supervisor.watch.bound)  # where peers know this node
+        return self.start(_start_with_relay(replace(self.cfg, host_maddrs=host), self.echo))
+
+    def close(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.close()
+        if self.dht is not None:
+            self.dht.shutdown()
+
+
+def _serve(node: _Node, cfg: NetworkConfig, stop_event: threading.Event, echo: Callable[[str], None]) -> None:
+    """Until stopped, with the node under watch; a private swarm's node re-reads its secret file and the
+    revocation list (net/security/auth.py)."""
     from p2p_diloco.net.security.auth import REFRESH_S, Access
+    from p2p_diloco.net.supervise import CHECK_EVERY_S
 
+    access = None
     if cfg.secret is None and cfg.secret_file is None:
         echo("open swarm: this node answers anyone (set network.secret_file to serve a private run's members only)")
-        stop_event.wait()
-        return
-    access = Access(cfg.secret, cfg.secret_file)
-    echo(f"private swarm: this node answers holders of secret {access.keys.fingerprint} only")
-    while not stop_event.wait(REFRESH_S):  # the list lives in the DHT: no event to wait on, so poll
-        access.refresh(dht, timeout=REFRESH_S / 2)
+    else:
+        access = Access(cfg.secret, cfg.secret_file)
+        echo(f"private swarm: this node answers holders of secret {access.keys.fingerprint} only")
+    refreshed = time.monotonic()
+    while not stop_event.wait(CHECK_EVERY_S):  # the node's helpers and the list in the DHT: no event, so poll
+        node.supervisor.ensure()
+        if access is not None and time.monotonic() - refreshed >= REFRESH_S:
+            refreshed = time.monotonic()
+            access.refresh(node.dht, timeout=REFRESH_S / 2)
 
 
 def _write_atomically(path: str, text: str) -> None:

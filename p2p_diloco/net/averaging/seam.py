@@ -21,6 +21,7 @@ from p2p_diloco.net.deadlines import DeadlineEstimator
 from p2p_diloco.net.averaging.wire import WireCodec, payload_bytes
 from p2p_diloco.net.averaging.contribution import AverageResult, Contribution
 from p2p_diloco.net.averaging.averager import CanonicalAverager
+from p2p_diloco.net.supervise import HelperDied
 from p2p_diloco.ops.faults import AVERAGER_PHASES
 
 
@@ -59,6 +60,7 @@ class Averager:
             weight_by_tokens=weight_by_tokens, max_weight_ratio=cfg.max_weight_ratio,
             access_keys=access.keys if access else None, revoked=access.revoked if access else frozenset(),
             verify_parts=cfg.verify_parts, max_share=cfg.max_share, equivocate_from=equivocate_from,
+            survive_losses=cfg.survive_losses,
             target_group_size=expected_group_size or cfg.target_group_size, min_group_size=cfg.min_group_size,
             min_matchmaking_time=cfg.matchmaking_time, request_timeout=cfg.request_timeout,
             allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
@@ -72,6 +74,8 @@ class Averager:
         self.deadlines = self._estimator.deadlines(self._group_size)
         self._pending: Optional[PendingAverage] = None  # an all-reduce under way (start_average)
         self._leading = True  # whether this peer declares itself as a leader in matchmaking (start_average)
+        self.gone: Optional[str] = None  # why this averager can no longer work (net/supervise.py): calls fail at once
+        self._download: Optional[MPFuture] = None  # a state download under way
 
     @property
     def peer_id(self) -> str:
@@ -82,8 +86,15 @@ class Averager:
         """The shared buffers; the averager does not touch them while this context is open."""
         if self._pending is not None:
             raise RuntimeError("the buffers belong to an all-reduce under way: take its result() first")
-        with self._averager.get_tensors() as tensors:
-            yield tensors
+        lock = self._averager.lock_averaged_tensors  # what get_tensors() takes, without waiting forever for it
+        while not lock.acquire(timeout=1.0):
+            if not self._averager.is_alive():  # it died holding the lock (mid all-reduce): the buffers are ours alone
+                yield self._averager._averaged_tensors
+                return
+        try:
+            yield self._averager._averaged_tensors
+        finally:
+            lock.release()
 
     @property
     def matchmaking_timeout(self) -> float:
@@ -119,6 +130,10 @@ class Averager:
         contribution = replace(contribution, suspects=[p for p, last in self.suspects.items()
                                                        if last > contribution.round])
         pending = PendingAverage(self, contribution)
+        if self.gone is not None:
+            pending.error = f"HelperDied: {self.gone}"
+            self._pending = pending
+            return pending
         try:
             contribution = replace(contribution, proof=self._proof())
             pending.control = self._averager.step(gather=asdict(contribution), weight=float(weight), wait=False,
@@ -181,9 +196,9 @@ class Averager:
         Each donor gets ``averaging.state_timeout`` seconds; at most ``averaging.state_attempts`` donors are tried.
         """
         donors = list(donors)[: self.cfg.state_attempts]
-        if not donors:
+        if not donors or self.gone is not None:
             return None
-        future = MPFuture()
+        future = self._download = MPFuture()
         self._averager._outer_pipe.send(("_download_state", [], dict(future=future, donors=donors,
                                                                        timeout=self.cfg.state_timeout)))
         try:
@@ -225,9 +240,25 @@ class Averager:
         time.sleep(0.2)  # let the declaration reach the DHT, so that others may be grouping with us
         self.fault.strike()
 
+    def abandon(self, reason: str) -> None:
+        """A helper this averager depends on died (net/supervise.py; any thread): the all-reduce and the state
+        download under way fail now, later calls at once. :meth:`close` then ends its process."""
+        self.gone = self.gone or reason
+        pending = self._pending
+        for future in (pending.control if pending is not None else None, self._download):
+            if future is not None and not future.done():
+                try:
+                    future.set_exception(HelperDied(reason))
+                except Exception:  # noqa: BLE001 - it was answered meanwhile
+                    pass
+
     def close(self) -> None:
         if self._averager.is_alive():
-            self._averager.shutdown()
+            if self.gone is not None:  # its p2pd or DHT is gone: a graceful shutdown could only time out
+                self._averager.kill()
+                self._averager.join(5)
+            else:
+                self._averager.shutdown()
 
 
 class PendingAverage:
@@ -266,8 +297,9 @@ class PendingAverage:
         if self.control is None:
             return AverageResult(ok=False, seconds=time.perf_counter() - self.started, error=self.error)
         budget = self.averager.matchmaking_timeout + self.averager.deadlines.allreduce_timeout + 10
+        until = time.perf_counter() + max(5.0, self.started + budget - time.perf_counter())
         try:  # the budget runs from the start: a round that trained meanwhile does not extend it
-            out = self.control.result(timeout=max(5.0, self.started + budget - time.perf_counter()))
+            out = self._result_until(until)
         except BaseException as e:
             if not self.control.done():
                 self.control.cancel()
@@ -275,6 +307,17 @@ class PendingAverage:
                 raise
             return AverageResult(ok=False, seconds=time.perf_counter() - self.started, error=_one_line(e))
         return self.averager._finish(out, time.perf_counter() - self.started, self.contribution.round + 1)
+
+    def _result_until(self, until: float) -> dict:
+        """The step's output, waited for in slices: a helper found dead meanwhile ends the wait at once."""
+        while True:
+            try:
+                return self.control.result(timeout=min(1.0, max(0.0, until - time.perf_counter())))
+            except TimeoutError:
+                if self.averager.gone is not None:
+                    raise HelperDied(self.averager.gone) from None
+                if time.perf_counter() >= until:
+                    raise
 
 
 def _one_line(e: BaseException) -> str:

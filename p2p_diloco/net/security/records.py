@@ -93,10 +93,12 @@ class PeerSignatureValidator(RecordValidatorBase):
         return isinstance(other, PeerSignatureValidator)
 
 
-def provide_identity(identity_path: Optional[str]) -> tuple[Identity, str, bool, Callable[[], None]]:
+def provide_identity(identity_path: Optional[str], identity: Optional[Identity] = None
+                     ) -> tuple[Identity, str, bool, Callable[[], None]]:
     """The identity a node runs with: (identity, the key file for p2pd, whether p2pd should check that the PeerID is
     not in use, a cleanup to call once p2pd has read the file). ``network.identity_path``: loaded, or created (an
-    Ed25519 key) if missing; else a fresh Ed25519 key in a private temporary file that the cleanup removes."""
+    Ed25519 key) if missing; else ``identity`` (a node restarted in the same process) or a fresh Ed25519 key, in a
+    private temporary file that the cleanup removes."""
     if identity_path:
         path = Path(identity_path).expanduser()
         existed = path.is_file()
@@ -112,7 +114,7 @@ def provide_identity(identity_path: Optional[str]) -> tuple[Identity, str, bool,
         except OSError as e:
             raise ConfigError(f"network.identity_path: cannot create {identity_path}: {e.strerror}") from None
         return identity, str(path), existed, lambda: None
-    identity = Identity.generate()
+    identity = identity or Identity.generate()
     folder = tempfile.mkdtemp(prefix="p2p-diloco-id-")  # mode 0700: ours alone
     path = os.path.join(folder, "identity.key")
     identity.write(path)
