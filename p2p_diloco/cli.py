@@ -225,14 +225,16 @@ def _cmd_swarm(args, overrides: dict[str, str]) -> int:
     return run_swarm(args.peers, args.rounds, args.inner_steps, args.run_dir, peer_args, timeout=args.timeout,
                      chaos=args.chaos, kill_each_round=args.kill_each_round, slowdowns=slowdowns,
                      echo=lambda s: print(s, flush=True),
-                     report=not args.no_report, bootstrap_args=_secret_args(cfg.network))
+                     report=not args.no_report, bootstrap_args=_secret_args(cfg, args.run_dir))
 
 
-def _secret_args(net) -> list[str]:
-    """A private run's secret, for the swarm's bootstrap node (which reads no peer config)."""
-    if net.secret_file is not None:
-        return [f"--network.secret_file={net.secret_file}"]
-    return [f"--network.secret={net.secret}"] if net.secret is not None else []
+def _secret_args(cfg, run_dir) -> list[str]:
+    """A private run's secret, for the swarm's bootstrap node (which reads no peer config): always as a file, a
+    0600 one in the run folder for a ``network.secret`` (an argv is readable by every user of the machine)."""
+    from p2p_diloco.config.secrets import secret_via_file
+
+    net = secret_via_file(cfg, run_dir).network
+    return [f"--network.secret_file={net.secret_file}"] if net.secret_file is not None else []
 
 
 def _slowdowns(text: Optional[str], peers: int) -> Optional[list[float]]:
