@@ -201,6 +201,9 @@ class AveragingConfig:
                             "the averaged parts it received from each reducer with every other member's; a reducer "
                             "that sent different bytes to different members fails the round and is named (cost: "
                             "benchmarks/robustness.md 9.3)", shared=True)
+    survive_losses: bool = _f(True, "when a member dies before its group's all-reduce completes, the members left "
+                              "run it again at once among themselves (same round, their quorum permitting) instead "
+                              "of failing the round (net/averaging/survive.py)", shared=True)
     max_share: float = _f(2.0, "most of the vector one member reduces, as a multiple of an equal share (1 / the "
                           "members that can reduce): a declared bandwidth cannot get it more (up to one part more, "
                           "from part boundaries); 1: equal shares", "x equal share", lambda x: x >= 1,

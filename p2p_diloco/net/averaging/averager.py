@@ -47,6 +47,8 @@ from p2p_diloco.net.security.gate import MemberGate, contribution_proof
 from p2p_diloco.net.averaging.screening import accused, member_weights, sane_contribution
 from p2p_diloco.net.averaging.reducer_checks import capped_fractions, sane_bandwidths
 from p2p_diloco.net.averaging.verify import PartVerifier
+from p2p_diloco.net.averaging.survive import Survivor
+from p2p_diloco.errors import first_line
 from p2p_diloco.net.averaging.wire import WireCodec
 from p2p_diloco.ops.procs import become_child_process, end_hard
 
@@ -70,7 +72,7 @@ class MalformedRound(Exception):
         super().__init__("; ".join(f"{p}: {why}" for p, why in culprits.items()))
 
 
-class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
+class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverager):
     """DecentralizedAverager running :class:`CanonicalAllReduceRunner`; its process dies with its parent. In a
     private run (``access_keys``) it serves members only (net/security/gate.py). With ``verify_parts``, members compare the
     digests of the averaged parts they received before a round counts (net/averaging/verify.py); ``max_share`` caps the share
@@ -81,7 +83,8 @@ class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
     def __init__(self, *args, codec: WireCodec, average_codec: WireCodec, min_participants: int, fault=None,
                  aggregator: Aggregator = Aggregator(), weight_by_tokens: bool = True, max_weight_ratio: float = 8.0,
                  attack=None, access_keys=None, revoked: frozenset = frozenset(), verify_parts: bool = False,
-                 max_share: float = float("inf"), equivocate_from: Optional[int] = None, **kwargs):
+                 max_share: float = float("inf"), equivocate_from: Optional[int] = None, survive_losses: bool = False,
+                 **kwargs):
         self._init_gate(access_keys, revoked)
         self._average_codec = average_codec
         self._min_participants = min_participants
@@ -90,6 +93,7 @@ class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
         self._weight_by_tokens, self._max_weight_ratio = weight_by_tokens, max_weight_ratio
         self._verify_parts_on, self._max_share, self._equivocate_from = verify_parts, max_share, equivocate_from
         self._verifications = {}
+        self._survive, self._reduced = survive_losses, False
         self.state_provider = None  # set in the host process: () -> (metadata dict, tensors)
         super().__init__(*args, compression=codec, **kwargs)
 
@@ -112,15 +116,43 @@ class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, weight: float, **kwargs):
         self._verify_until = time.monotonic() + self._allreduce_timeout - 1.0  # inside the step's own deadline
-        verification, error = None, None
+        first = group_info
         try:
-            bandwidths, mode_ids, gathered = zip(*map(self.serializer.loads, group_info.gathered))
-            contributions = [self._contribution(g) for g in gathered]
+            gathered = [self.serializer.loads(g) for g in group_info.gathered]
+            await self._check_group(group_info.group_id, group_info.peer_ids, [contribution_proof(g[2]) for g in gathered])
+            snapshot = await self._snapshot() if self._survive else None
+            try:
+                return await self._attempt(group_info, gathered, min_vector_size, kwargs)
+            except AllreduceException as e:  # a member died before the all-reduce completed anywhere: run it again
+                retry = None if snapshot is None or self._reduced or isinstance(e, NoQuorum) \
+                    else await self._survivors(group_info)
+                if retry is None:
+                    raise
+                group_info, keep = retry
+                lost = [str(first.peer_ids[i]) for i in range(len(first.peer_ids)) if i not in keep]
+                logger.warning(f"all-reduce failed ({first_line(e)}); {len(keep)} members left, without "
+                               f"{', '.join(p[-6:] for p in lost)}: running it again among them")
+            self._fail_waiting_parts(first.group_id, AllreduceException("the group runs again without its dead"))
+            await self._restore(snapshot)
+            async with self._registered(group_info):
+                result = await self._attempt(group_info, [gathered[i] for i in keep], min_vector_size, kwargs)
+            return dict(result, survived=lost)
+        except BaseException as e:
+            for group in {first.group_id, group_info.group_id}:
+                self._fail_waiting_parts(group, AllreduceException(f"the group failed: {e!r}"))
+            raise MatchmakingException(f"all-reduce failed: {e!r}") from None
+
+    async def _attempt(self, group_info, gathered, min_vector_size: int, kwargs) -> dict:
+        """One all-reduce of ``group_info``'s members (``gathered``: each member's (bandwidth, mode, contribution)),
+        with the quorum rule, weights, screening and reducer checks of a round."""
+        verification, error, self._reduced = None, None, False
+        try:
+            bandwidths, mode_ids, contributions = zip(*gathered)
+            contributions = [self._contribution(g) for g in contributions]
             peer_ids = [str(p) for p in group_info.peer_ids]
             members = choose_participants(contributions, peer_ids)
             weights = member_weights([c.tokens for c in contributions], members, self._weight_by_tokens,
                                      self._max_weight_ratio)
-            await self._check_group(group_info.group_id, group_info.peer_ids, [contribution_proof(g) for g in gathered])
             me = group_info.peer_ids.index(self.peer_id)
             summary = dict(members=[contributions[i].name for i in members], member_of=me in members,
                            tokens=sum(contributions[i].tokens for i in members),
@@ -147,6 +179,7 @@ class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
             except MalformedRound as e:  # every member fails this round and learns whom to leave out
                 stats = _malformed_summary(e.culprits, contributions, peer_ids)
             digests = stats.pop("digests", None)
+            self._reduced = True  # every average arrived here: others may commit this group's round
             if self._fault is not None and self._fault.due("checks", contributions[me].round + 1):
                 self._fault.strike()  # every average arrived; the members have not compared them yet
             if verification is not None and digests is not None:  # a failed round is never committed
@@ -154,10 +187,19 @@ class CanonicalAverager(MemberGate, PartVerifier, DecentralizedAverager):
             return dict(summary, allreduce_seconds=time.monotonic() - started, **stats)
         except BaseException as e:
             error = e
-            self._fail_waiting_parts(group_info.group_id, AllreduceException(f"the group failed: {e!r}"))
-            raise MatchmakingException(f"all-reduce failed: {e!r}") from None
+            raise
         finally:
             self._close_verification(group_info.group_id, verification, error)
+
+    async def _snapshot(self) -> list:
+        """Our contribution as it enters the all-reduce (which overwrites the buffers with what it receives)."""
+        async with enter_asynchronously(self.get_tensors()) as tensors:
+            return [t.clone() for t in tensors]
+
+    async def _restore(self, snapshot: list) -> None:
+        async with enter_asynchronously(self.get_tensors()) as tensors:
+            for t, saved in zip(tensors, snapshot):
+                t.copy_(saved)
 
     async def _reducer_fractions(self, download_bandwidths, min_vector_size: int) -> list[float]:
         """The share of the vector each member reduces: hivemind's load balancing of the declared bandwidths (not

@@ -147,6 +147,8 @@ class MemberGate:
                                        ADMIT_TIMEOUT if self._access_keys is not None else None)
             except asyncio.TimeoutError:
                 pass
+        if request.group_id not in self._running_groups and self._running_groups:
+            await self._wait_for_group(request.group_id)  # a retry group a faster survivor started (survive.py)
         future = self._running_groups.get(request.group_id)
         if future is None:
             if self._access_keys is not None:

@@ -1,0 +1,83 @@
+"""Rounds that survive a member's death (issue 23, item 2): the survivors of a failed all-reduce run it again at
+once, among themselves, within the same round attempt.
+
+Why it is safe. A member that dies before or while sending makes every reducer refuse every sender (a partial
+average is never served, net/averaging/allreduce.py), so no member completes the first attempt. Each survivor then
+waits for the network to show the death (the dead process's connections close: its p2pd dies with it), and keeps the
+members it is still connected to, in the group's order. The retry's group id is derived from the first group's id
+and the kept members: a survivor whose view differs computes another id, its parts are refused as parts of an
+unknown group, and that retry fails everywhere, as the first attempt did. Every survivor restores its own
+contribution (the first attempt overwrote its buffers with averaged parts it received) and the retry is an ordinary
+all-reduce of the kept members, with the quorum, weights, screening and reducer checks of any round: a dead member's
+contribution is in on every survivor or on none.
+
+A member that did complete the first attempt (it had every average before a reducer died) is alive and connected,
+so it is kept, and it takes part in no retry: the retry fails for lack of its parts, and the others repair from the
+round it committed. A stalled member (no FIN, no RST) stays connected: it is kept, and the round fails as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from typing import Optional, Sequence
+
+from hivemind.averaging.group_info import GroupInfo
+
+SETTLE_S = 1.0  # how long a survivor lets the network show a death (closed connections) before it looks
+GROUP_WAIT_S = 10.0  # how long a part waits for its retry group to be registered by this member
+
+
+def retry_group_id(first_id: bytes, kept: Sequence) -> bytes:
+    """The same on every survivor with the same view; another view, another id."""
+    digest = hashlib.sha256(first_id + b"".join(p.to_bytes() for p in kept)).digest()
+    return digest[:len(first_id)] if first_id else digest
+
+
+def kept_members(peer_ids: Sequence, me, connected: set) -> list[int]:
+    """Indices of the members a survivor keeps: itself and those it is still connected to, in the group's order."""
+    return [i for i, p in enumerate(peer_ids) if p == me or p in connected]
+
+
+class Survivor:
+    """Mixin for the averager (net/averaging/averager.py). Expects ``self._p2p``, ``self.peer_id``,
+    ``self._running_groups`` and a ``self._survive`` flag (``averaging.survive_losses``)."""
+
+    _groups_changed: Optional[asyncio.Condition] = None
+
+    def _conditions(self) -> asyncio.Condition:
+        if self._groups_changed is None:
+            self._groups_changed = asyncio.Condition()
+        return self._groups_changed
+
+    async def _survivors(self, group_info: GroupInfo) -> Optional[tuple[GroupInfo, list[int]]]:
+        """After a failed all-reduce: the retry group of the members still here, or None (nobody is gone, or fewer
+        than two are left)."""
+        await asyncio.sleep(SETTLE_S)  # no event tells us a remote process died: its closed connections do
+        connected = {info.peer_id for info in await self._p2p.list_peers()}
+        keep = kept_members(group_info.peer_ids, self.peer_id, connected)
+        if len(keep) == len(group_info.peer_ids) or len(keep) < 2:
+            return None
+        kept = [group_info.peer_ids[i] for i in keep]
+        retry = GroupInfo(retry_group_id(group_info.group_id, kept), tuple(kept),
+                          tuple(group_info.gathered[i] for i in keep))
+        return retry, keep
+
+    @contextlib.asynccontextmanager
+    async def _registered(self, group_info: GroupInfo):
+        """Serve parts of the retry group while it runs (hivemind registers only the group it formed)."""
+        self._running_groups[group_info.group_id] = asyncio.get_running_loop().create_future()
+        async with self._conditions():
+            self._conditions().notify_all()
+        try:
+            yield
+        finally:
+            self._running_groups.pop(group_info.group_id, None)
+
+    async def _wait_for_group(self, group_id: bytes, timeout: float = GROUP_WAIT_S) -> None:
+        """A part arrived for a group we have not registered (yet): a retry group a faster survivor started."""
+        condition = self._conditions()
+        with contextlib.suppress(asyncio.TimeoutError):
+            async with condition:
+                await asyncio.wait_for(condition.wait_for(lambda: group_id in self._running_groups), timeout)
