@@ -27,7 +27,7 @@ import torch
 
 from p2p_diloco.config import Config, ConfigError, config_from_dict
 from p2p_diloco.errors import first_line
-from p2p_diloco.ops.checkpoint import CHECKPOINT_NAME
+from p2p_diloco.ops.checkpoint import CHECKPOINT_NAME, read_checkpoint
 
 EXPORTS_DIR = "exports"
 INFO_FILE = "p2p_diloco.json"
@@ -176,7 +176,7 @@ def export_folders(run_dir: str | os.PathLike) -> dict[int, Path]:
 
 def _read_checkpoint(path: Path) -> dict:
     # mmap: reading the round does not load the AdamW state of a large model into memory
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    return read_checkpoint(path, mmap=True)
 
 
 def checkpoints_by_round(run_dir: str | os.PathLike) -> dict[int, tuple[Path, dict]]:
