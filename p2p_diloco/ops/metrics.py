@@ -125,8 +125,10 @@ def build_sink(cfg, run_dir: str | os.PathLike, name: str) -> MetricsSink:
     if cfg.run.tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
     if cfg.run.wandb_project:
+        from p2p_diloco.config.secrets import redacted
+
         sinks.append(WandbSink(cfg.run.wandb_project, cfg.run.wandb_mode, run_dir, name, group=cfg.run.run_id,
-                               config=cfg.to_dict()))
+                               config=redacted(cfg.to_dict())))  # the secret is never uploaded
     return sinks[0] if len(sinks) == 1 else FanOut(sinks)
 
 

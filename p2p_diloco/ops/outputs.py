@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from p2p_diloco.config import ConfigError
+from p2p_diloco.config.secrets import redacted
 from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
 
 
@@ -21,7 +22,7 @@ def checkpoint_state(peer) -> dict:
             "model": peer.model.state_dict(), "inner": peer.inner.state_dict(),
             "data": peer.data.train.state_dict(), "data_ranks": peer.replica.data_states(),
             "tokens_since_commit": peer.tokens_since_commit, "work_round": peer.work_round,
-            "tokens_trained": peer.tokens_trained, "config": asdict(peer.cfg),
+            "tokens_trained": peer.tokens_trained, "config": redacted(asdict(peer.cfg)),
             "error_feedback": ef.state_dict() if ef is not None else None, "overlap": peer.exchange.state_dict()}
 
 

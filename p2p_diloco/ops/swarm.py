@@ -203,11 +203,13 @@ class LocalSwarm:
 
 
 def write_peer_config(run_dir: str | Path, cfg) -> list[str]:
-    """Write the effective peer config once for all peers; return the peer arguments that load it."""
+    """Write the effective peer config once for all peers; return the peer arguments that load it. A
+    ``network.secret`` goes to a 0600 file of its own that the config names (config/secrets.py), never into it."""
+    from p2p_diloco.config.secrets import secret_via_file, write_private
+
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "peer-config.toml"
-    path.write_text(dump_toml(cfg))
+    path = write_private(run_dir / "peer-config.toml", dump_toml(secret_via_file(cfg, run_dir)))
     return [f"--config={path}"]
 
 
