@@ -12,6 +12,7 @@ harness can act on the network (take the peer's router down) while, say, an all-
   * ``allreduce``    after the reducer has streamed its first averaged part (parts still in flight)
   * ``checks``       once every average arrived, before the members compare what reducers sent (reducer checks)
   * ``serving``      after the first message of a state download served to a joining peer
+  * ``download``     after the first message of a state download received (joining or repairing; any round)
 For ``serving`` the round is that of the state served plus one (the round the joiner will train), and the fault
 strikes at the first download served at or after that round (a joiner's arrival is not timed to the round).
 Round 0 means the first round that reaches the phase (a peer that joins a run going on does not know its rounds in
@@ -27,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-PHASES = ("inner", "matchmaking", "sending", "allreduce", "checks", "serving")
-AVERAGER_PHASES = ("sending", "allreduce", "checks")  # struck in the averager's process
+PHASES = ("inner", "matchmaking", "sending", "allreduce", "checks", "serving", "download")
+AVERAGER_PHASES = ("sending", "allreduce", "checks", "download")  # struck in the averager's process
 ACTIONS = ("kill", "stall", "term", "hold")
 HOLD_FILE = "hold"
 HOLD_MAX_S = 120.0

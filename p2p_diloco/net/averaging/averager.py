@@ -291,6 +291,8 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, parts, tensors = None, [], []
         async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout):
+            if self._fault is not None and self._fault.phase == "download" and metadata is None:
+                self._fault.strike()  # tests: mid-transfer, on the joiner's side (test_stop.py)
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
             if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
