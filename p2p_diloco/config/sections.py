@@ -329,7 +329,8 @@ class FaultConfig:
     """Testing only: make this peer fail on purpose (see p2p_diloco/ops/faults.py)."""
     inject: Optional[str] = _f(None, "'kill:PHASE:ROUND', 'stall:PHASE:ROUND' (SIGSTOP), 'term:PHASE:ROUND' (a "
                                "graceful stop) or 'hold:PHASE:ROUND' (wait until run_dir/hold is removed), PHASE one "
-                               "of inner, matchmaking, sending, allreduce, checks, serving (ops/faults.py)",
+                               "of inner, matchmaking, sending, allreduce, checks, serving, download; ROUND 0: the "
+                               "first round that reaches PHASE (ops/faults.py)",
                                check=_valid_fault,
                                rule="expected ACTION:PHASE:ROUND, e.g. kill:allreduce:3")
     slowdown: float = _f(1.0, "stretch every inner step by this factor, sleeping (F - 1) x its compute time after "
