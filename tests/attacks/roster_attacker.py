@@ -1,0 +1,76 @@
+"""An outsider with the product's own DHT nodes (their own keys, no secret) that writes bad roster entries into an
+open run (tests only).
+
+    python tests/attacks/roster_attacker.py --bootstrap MADDR --run-id RUN --out report.json --stop STOP_FILE
+
+It finds the run's prefix in the run index, then, until STOP_FILE exists, stores under ``{prefix}.roster``:
+  * ``crash``: an entry signed by its first node, in its own name, whose ``"round"`` is the string ``"9"``;
+  * ``sybil``: an unsigned entry under the subkey ``sybil-1`` (not a peer id) claiming round 10^9;
+  * ``ahead``: a well-formed entry signed by its second node, in its own name, claiming round 10^9 and offering
+    to serve that state.
+The report names the attacker's peer ids and how many stores each DHT confirmed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+FAR = 10 ** 9
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    for name in ("--bootstrap", "--run-id", "--out", "--stop"):
+        p.add_argument(name, required=True)
+    args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout this script is in, not another
+
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from p2p_diloco.config import NetworkConfig
+    from p2p_diloco.net.consensus import PeerStatus
+    from p2p_diloco.net.dht import read_run_index, roster_key, start_dht
+
+    net = NetworkConfig(initial_peers=[args.bootstrap], host_maddrs=[LOOPBACK], join_timeout=20.0)
+    first, second = start_dht(net), start_dht(net)
+    report = {"peer_ids": [str(first.peer_id), str(second.peer_id)], "stores": {}, "prefix": None}
+    try:
+        deadline = time.monotonic() + 120
+        while not report["prefix"] and time.monotonic() < deadline and not os.path.exists(args.stop):
+            prefixes = read_run_index(first, args.run_id, timeout=3)
+            report["prefix"] = prefixes[0] if prefixes else None
+            time.sleep(0.5)  # the run index lives in the DHT: nothing to wait on
+        if not report["prefix"]:
+            return 1
+        key = roster_key(report["prefix"])
+
+        def status(dht, round_, digest="e" * 64) -> dict:
+            return asdict(PeerStatus(name="attacker", peer_id=str(dht.peer_id), round=round_, digest=digest))
+
+        entries = {"crash": (first, str(first.peer_id), {**status(first, 0), "round": "9"}),
+                   "sybil": (first, "sybil-1", {**status(first, FAR), "peer_id": "sybil-1"}),
+                   "ahead": (second, str(second.peer_id), status(second, FAR))}
+        while not os.path.exists(args.stop) and time.monotonic() < deadline:
+            for name, (dht, subkey, value) in entries.items():
+                ok = dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + 60)
+                report["stores"][name] = report["stores"].get(name, 0) + int(bool(ok))
+            with open(args.out, "w") as f:
+                json.dump(report, f)
+            time.sleep(2.0)  # re-store for peers that joined since (records are not handed to newcomers)
+    finally:
+        with open(args.out, "w") as f:
+            json.dump(report, f)
+        first.shutdown()
+        second.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
