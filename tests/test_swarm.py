@@ -71,8 +71,9 @@ def test_a_run_larger_than_target_group_size_ends_each_round_on_one_theta(tmp_pa
 @pytest.mark.timeout(300)
 def test_kill_each_round_kills_a_sender_and_a_member_before_the_checks_and_replaces_them(tmp_path, process_tag):
     """Seed 5 of --kill-each-round on 3 peers and 4 rounds: peer2 dies as a sender in round 2, peer1 once every
-    average arrived in round 3, before the reducer checks. Fresh peers take their places, and no round holds two
-    θ_global (rounds whose members die still fail for the others today: issue 23's survivable rounds)."""
+    average arrived in round 3, before the reducer checks. Fresh peers take their places, no round holds two
+    θ_global, and the survivors lose no round: the sender's death makes them run round 2's all-reduce again among
+    themselves (averaging.survive_losses), and a death before the checks leaves the averages already received."""
     out = _swarm(tmp_path, "--peers", "3", "--rounds", "4", "--inner-steps", "6", "--no-report",
                  "--kill-each-round", "5")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -85,6 +86,10 @@ def test_kill_each_round_kills_a_sender_and_a_member_before_the_checks_and_repla
     assert all(len(set(r["global_params_sha256"].values())) == 1 for r in summary["rounds"])
     assert any("new0" in r["global_params_sha256"] for r in summary["rounds"]), "the replacement never committed"
     assert "FORK" not in out.stdout
+    survivor = read_jsonl(tmp_path / "peer0" / "metrics.jsonl")
+    assert [r["committed"] for r in survivor if r.get("event") == "round"] == [True] * 4, "a survivor failed a round"
+    assert summary["rounds"][1]["committed_by"] == 2 and "peer2" not in summary["rounds"][1]["global_params_sha256"]
+    assert "running it again among them" in (tmp_path / "peer0.log").read_text()
 
 
 @pytest.mark.timeout(300)
