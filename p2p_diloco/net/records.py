@@ -179,7 +179,7 @@ def settings_entry(subkey: Any, value: Any) -> dict:
             if one is None or type(one) in (bool, int) or (type(one) is float and math.isfinite(one)):
                 continue
             if type(one) is not str or len(one) > MAX_TEXT:
-                raise RecordError(f"setting {key} has an unusable value")
+                raise RecordError("a setting has an unusable value")
     return {"settings": dict(settings), "fingerprint": v["fingerprint"]}
 
 
