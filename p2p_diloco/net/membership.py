@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Optional
 
+import torch
+
 from p2p_diloco.config import Config, ConfigError, shared_settings
 from p2p_diloco.net.consensus import PeerStatus, SyncTarget, majority_state, sync_target
 from p2p_diloco.net.dht import (publish_finished, publish_run_index, publish_run_settings, publish_status,
@@ -259,12 +261,17 @@ class Membership:
         return True
 
     def _check_state(self, metadata, tensors, target: SyncTarget) -> Optional[str]:
-        """Why a downloaded state is unusable, or None: shapes, the donor's own digest, and the run's round."""
-        expected = [t.shape for t in self.state.tensors()]
+        """Why a downloaded state is unusable, or None: shapes and dtypes, finiteness, the donor's own digest, and
+        the run's round. (Its size was bounded while it arrived: net/averaging/averager.py.)"""
+        ours = self.state.tensors()
         if not isinstance(metadata, dict) or metadata.get("fingerprint") != self.fingerprint:
             return "not a state of this run's model"
-        if [t.shape for t in tensors] != expected:
-            return "tensor shapes differ"
+        if not isinstance(metadata.get("round"), int) or isinstance(metadata.get("round"), bool):
+            return "its round is not a number"
+        if [(t.shape, t.dtype) for t in tensors] != [(t.shape, t.dtype) for t in ours]:
+            return "tensor shapes or dtypes differ"
+        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+            return "it holds NaN or Inf"
         n = len(self.state.params)
         _, digest = state_digests(tensors[:n], tensors[n:])
         if digest != metadata.get("digest"):
