@@ -49,6 +49,7 @@ class RunWatcher:
         self._runs: list[dict] = []
         self._settings: dict = {}
         self._read_at: Optional[float] = None
+        self._last_error: Optional[str] = None
         self._lock = threading.Lock()
         self._body = self._encode(error="not read yet")
 
@@ -67,16 +68,27 @@ class RunWatcher:
         from p2p_diloco.net.dht import read_run_settings
         from p2p_diloco.net.run_settings import run_settings_of
 
-        error = None
         try:
             view = read_status(self.dht, self.run_id, self.timeout)
             settings = run_settings_of(read_run_settings(self.dht, self.run_id, self.timeout))
-            now = self.clock()
-            self._runs = self.update(view["runs"], now)
-            self._settings, self._read_at = web_view.bounded_settings(settings), now
-        except Exception as e:  # a malformed record or a dead DHT must not end the page: it shows the error
-            logger.warning(f"reading the run failed: {e!r}")
-            error = f"reading the run failed: {type(e).__name__}: {e}"
+        except Exception as e:  # a dead DHT must not end the page: it shows the error
+            self.show(None, None, error=f"reading the run failed: {type(e).__name__}: {e}")
+        else:
+            self.show(view, settings)
+
+    def show(self, view: Optional[dict], settings: Optional[dict], error: Optional[str] = None) -> None:
+        """Cache a view of the run (ops/status.py's ``read_status``) and its settings (``run_settings_of``); None:
+        keep the last ones, with ``error`` on the page."""
+        if view is not None:
+            try:
+                now = self.clock()
+                self._runs = self.update(view["runs"], now)
+                self._settings, self._read_at = web_view.bounded_settings(settings), now
+            except Exception as e:  # a record the readers let through but the page cannot show: say so, go on
+                error = f"showing the run failed: {type(e).__name__}: {e}"
+        if error and error != self._last_error:  # once per kind of failure, not every few seconds
+            logger.warning(error)
+        self._last_error = error
         self.reads += 1
         body = self._encode(error)
         with self._lock:
@@ -85,6 +97,7 @@ class RunWatcher:
     def update(self, runs: list[dict], now: float) -> list[dict]:
         """ops/status.py's prefixes (``describe_run``) → the page's, bounded; notes who was seen and which rounds."""
         out = []
+        self.seen = {k: v for k, v in self.seen.items() if now - v[0] < web_view.GONE_KEEP_S}
         for run in runs[:web_view.MAX_PREFIXES]:
             prefix = run["prefix"]
             rows = [web_view.peer_row(p, now) for p in run["peers"]]
@@ -95,11 +108,10 @@ class RunWatcher:
             gone = sorted((dict(row, last_seen=t, state="gone") for (pre, pid), (t, row) in self.seen.items()
                            if pre == prefix and pid not in live), key=lambda r: -r["last_seen"])
             out.append(web_view.run_view({**run, "peers": rows}, gone, self.history))
-        self._forget(now, {run["prefix"] for run in runs[:web_view.MAX_PREFIXES]})
+        self._forget({run["prefix"] for run in runs[:web_view.MAX_PREFIXES]})
         return out
 
-    def _forget(self, now: float, prefixes: set[str]) -> None:
-        self.seen = {k: v for k, v in self.seen.items() if now - v[0] < web_view.GONE_KEEP_S}
+    def _forget(self, prefixes: set[str]) -> None:
         if len(self.seen) > web_view.MAX_TRACKED:  # a forged roster: keep the most recently seen
             latest = sorted(self.seen.items(), key=lambda kv: -kv[1][0])[:web_view.MAX_TRACKED]
             self.seen = dict(latest)
@@ -178,10 +190,9 @@ def run_web(cfg: Config, host: str, port: int, refresh_s: float, stop: threading
             echo: Callable[[str], None] = print) -> int:
     """Serve the run page until ``stop`` is set. The address is bound before the DHT starts, so a taken port is
     refused at once."""
-    from p2p_diloco.net.dht import start_dht
-
     box: dict[str, Callable[[], bytes]] = {}
     server = open_server(host, port, lambda: box["source"]())
+    from p2p_diloco.net.dht import start_dht  # hivemind and torch: seconds, after the cheap checks
     threads: list[threading.Thread] = []
     try:
         dht = start_dht(cfg.network, client_mode=True)

@@ -37,9 +37,9 @@ function ago(now, t) {
   return s < 90 ? s.toFixed(0) + " s ago" : (s / 60).toFixed(0) + " min ago";
 }
 
-function table(headers, rows) {
+function table(cls, headers, rows) {
   const head = el("tr", null, headers.map((h) => el("th", null, h)));
-  return el("table", null, [el("thead", null, [head]), el("tbody", null, rows)]);
+  return el("table", cls, [el("thead", null, [head]), el("tbody", null, rows)]);
 }
 
 function row(cells) {
@@ -89,15 +89,15 @@ function renderRun(run, now) {
   const peers = run.peers.slice(0, MAX_PEER_ROWS);
   const parts = [el("h2", null, "prefix " + cut(run.prefix, 80)), summary, ...fork,
     el("h3", null, "Peers (" + run.peers_total + ")"),
-    table(PEER_HEADERS, peers.map((p) => peerRow(p, now))), ...more(peers.length, run.peers_total, "peers")];
+    table("peers", PEER_HEADERS, peers.map((p) => peerRow(p, now))), ...more(peers.length, run.peers_total, "peers")];
   if (run.gone_total > 0) {
     const gone = run.gone.slice(0, 50);
     parts.push(el("h3", null, "Gone (roster entry expired: " + run.gone_total + ")"),
-      table(PEER_HEADERS, gone.map((p) => peerRow(p, now))), ...more(gone.length, run.gone_total, "gone peers"));
+      table("gone", PEER_HEADERS, gone.map((p) => peerRow(p, now))), ...more(gone.length, run.gone_total, "gone peers"));
   }
   const rounds = run.rounds.slice(0, MAX_ROUND_ROWS);
   parts.push(el("h3", null, "Rounds seen (" + run.rounds.length + ")"),
-    table(["round", "peers seen", "digests (peers holding each)", "fork", "all-reduce s (median)", "loss (mean)"],
+    table("rounds-seen", ["round", "peers seen", "digests (peers holding each)", "fork", "all-reduce s (median)", "loss (mean)"],
       rounds.map(roundRow)));
   return el("section", "run", parts);
 }
