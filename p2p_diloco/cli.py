@@ -88,7 +88,7 @@ def version() -> str:
 def _parser():
     commands = {"bootstrap": _cmd_bootstrap, "peer": _cmd_peer, "doctor": _cmd_doctor, "swarm": _cmd_swarm,
                 "status": _cmd_status, "web": _cmd_web, "export": _cmd_export, "generate": _cmd_generate,
-                "revoke": _cmd_revoke, "plot": _cmd_plot, "config": _cmd_config}
+                "revoke": _cmd_revoke, "plot": _cmd_plot, "health": _cmd_health, "config": _cmd_config}
     return build_parser(commands, version())
 
 
@@ -168,13 +168,16 @@ def _cmd_peer(args, overrides: dict[str, str]) -> int:
     try:
         from p2p_diloco.peer import Peer
 
+        from p2p_diloco.ops.health import pid_file
+
         peer = Peer(cfg, given=given, stop_event=stop)
         _setup_logging(peer.name)
-        try:
-            peer.start()
-            peer.run()
-        finally:
-            peer.close()
+        with pid_file(peer.run_dir):  # for p2p-diloco health
+            try:
+                peer.start()
+                peer.run()
+            finally:
+                peer.close()
     except KeyboardInterrupt:
         logging.getLogger("p2p_diloco").info("stopped while starting")
     return 0
@@ -316,6 +319,18 @@ def _cmd_generate(args, overrides: dict[str, str]) -> int:
     run_generate(args.run_dir, args.prompt, args.samples, args.max_new_tokens, args.temperature, args.top_k,
                  args.seed, args.device, echo=print)
     return 0
+
+
+def _cmd_health(args, overrides: dict[str, str]) -> int:
+    if args.max_age is not None and not args.max_age > 0:
+        raise ConfigError(f"--max-age: must be > 0 seconds, got {args.max_age}")
+    if not os.path.isdir(args.run_dir):
+        raise ConfigError(f"--run-dir: {args.run_dir} is not a folder")
+    from p2p_diloco.ops.health import check
+
+    verdict = check(args.run_dir, args.max_age)
+    print(verdict.reason, flush=True)
+    return 0 if verdict.healthy else 1
 
 
 def _cmd_plot(args, overrides: dict[str, str]) -> int:

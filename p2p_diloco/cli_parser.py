@@ -190,6 +190,14 @@ def build_parser(commands, version: str) -> argparse.ArgumentParser:
     pl.intermixed = True
     pl.add_argument("--out", metavar="DIR", default=None, help="folder for the PNGs (default: the run folder)")
 
+    h = command("health", "Exit 0 if the peer of a run folder is alive and in the run (its last committed round is "
+                "recent), else print why and exit 1: for a container HEALTHCHECK or a Kubernetes probe. Reads the "
+                "folder only (peer.pid, metrics.jsonl): no network, well under a second.", [])
+    h.add_argument("--run-dir", required=True, metavar="DIR", help="the peer's run folder (its run.run_dir)")
+    h.add_argument("--max-age", type=float, default=None, metavar="SECONDS",
+                   help="longest time since the peer's last committed round, or its start (default: 5 x its recent "
+                        "rounds' median time, at least 120 s; 900 s before it has timed a round)")
+
     c = command("config", "List the config keys: type, default, unit, whether a run setting, and help.", [])
     c.add_argument("action", choices=["list"], help="list: print the keys")
     c.add_argument("section", nargs="?", metavar="SECTION", help=f"only this section ({', '.join(SECTIONS)})")
