@@ -80,21 +80,34 @@ def is_p2pd(pid: int) -> bool:
     return "p2pd" in (read(f"/proc/{pid}/cmdline") or "")
 
 
-def usage(pid: int) -> dict:
+def usage(pid: int, shm: Optional[dict] = None) -> dict:
+    """RSS, threads and open descriptors of one process; with ``shm``, note in it (inode → bytes) the files of
+    /dev/shm its descriptors hold: torch's shared tensors live there (deleted files, so in nobody's RSS until
+    mapped), and they stay allocated as long as a descriptor holds them."""
     status = read(f"/proc/{pid}/status")
     out = parse_status(status) if status else {"rss_bytes": 0, "threads": 0}
     try:
-        out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+        fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        out["fds"] = 0
+        fds = []
+    out["fds"] = len(fds)
+    for fd in fds if shm is not None else ():
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                shm[st.st_ino] = st.st_size
+        except OSError:  # closed meanwhile
+            pass
     return out
 
 
 def tree_usage(pids: list[int]) -> dict:
     total = {"rss_bytes": 0, "threads": 0, "fds": 0, "procs": len(pids)}
+    shm: dict[int, int] = {}
     for pid in pids:
-        for key, value in usage(pid).items():
+        for key, value in usage(pid, shm).items():
             total[key] += value
+    total["shm_bytes"], total["shm_files"] = sum(shm.values()), len(shm)  # each file once, however many hold it
     return total
 
 

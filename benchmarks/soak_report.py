@@ -99,13 +99,19 @@ def summarize(samples: list[dict], warmup_s: float, settle_s: float = 60.0) -> d
     steady = _steady(samples, warmup_s, settle_s)
     first, last = steady[:WINDOW], steady[-WINDOW:]
     row: dict = {"steady_samples": len(steady)}
-    for key in ("rss_bytes", "fds", "threads"):
+    for key in ("rss_bytes", "fds", "threads", "shm_bytes"):
         for scope in ("tree", "main"):
+            if not steady or any(key not in s[scope] for s in steady):
+                continue  # shm_bytes: not in results of the first version of the script
             start = _median([s[scope][key] for s in first])
             end = _median([s[scope][key] for s in last])
             row[f"{scope}_{key}"] = (start, end)
             row[f"{scope}_{key}_ratio"] = end / start if start and end is not None and len(steady) >= 2 else None
-        row[f"tree_{key}_peak"] = max((s["tree"][key] for s in steady), default=None)
+        row[f"tree_{key}_peak"] = max((s["tree"].get(key, 0) for s in steady), default=None)
+    for key in ("rss_bytes", "fds"):  # a leak that a restart of the process would hide: within each process's life
+        ratios = [lives[-1]["tree"][key] / lives[0]["tree"][key] for pid in {s["pid"] for s in steady}
+                  if len(lives := [s for s in steady if s["pid"] == pid]) >= 2 and lives[0]["tree"][key]]
+        row[f"tree_{key}_worst_life"] = max(ratios, default=None)
     after = [s for s in samples if s["t_s"] >= warmup_s and "dir_bytes" in s]
     if len(after) >= 2 and after[-1]["t_s"] > after[0]["t_s"]:
         minutes = (after[-1]["t_s"] - after[0]["t_s"]) / 60
@@ -130,8 +136,13 @@ def verdict(rows: dict[str, dict], tolerance: float = TOLERANCE) -> dict:
     rate). A figure with too few steady samples fails its check (not shown flat)."""
     out: dict = {"memory_flat": True, "fds_flat": True, "folder_bounded": True, "notes": []}
     for name, row in rows.items():
-        for key, flag, what in (("tree_rss_bytes_ratio", "memory_flat", "RSS"), ("tree_fds_ratio", "fds_flat", "FDs")):
+        for key, flag, what in (("tree_rss_bytes_ratio", "memory_flat", "RSS"), ("tree_fds_ratio", "fds_flat", "FDs"),
+                                ("tree_shm_bytes_ratio", "memory_flat", "shared memory held")):
             ratio = row.get(key)
+            if key == "tree_shm_bytes_ratio" and "tree_shm_bytes" not in row:
+                continue  # not measured by this results file
+            if ratio is None and key == "tree_shm_bytes_ratio" and row["tree_shm_bytes"][0] == 0:
+                ratio = 1.0 if not row["tree_shm_bytes"][1] else float("inf")  # none held at the start
             if ratio is None:
                 out[flag] = False
                 out["notes"].append(f"{name}: {what} not measured after warm-up ({row.get('steady_samples', 0)} "
@@ -139,6 +150,10 @@ def verdict(rows: dict[str, dict], tolerance: float = TOLERANCE) -> dict:
             elif ratio > 1 + tolerance:
                 out[flag] = False
                 out["notes"].append(f"{name}: {what} grew ×{ratio:.2f} after warm-up")
+            life = row.get(key.replace("_ratio", "_worst_life"))
+            if life is not None and life > 1 + tolerance:
+                out[flag] = False
+                out["notes"].append(f"{name}: {what} grew ×{life:.2f} within the life of one process")
         if "dir_bytes" not in row:
             continue  # the bootstrap: no run folder
         for key in ("checkpoint_bytes", "dir_files"):
@@ -172,7 +187,9 @@ def _ratio(x: Optional[float]) -> str:
 def render(rows: dict[str, dict], events: dict[str, dict]) -> str:
     """The per-peer Markdown table: RSS (MiB, all the peer's processes; main process), FDs, threads and folder size
     start → end after warm-up, restarts (ours by kind, the helpers' from the log), rounds committed / attempted."""
-    head = ["peer", "RSS MiB, all processes", "ratio", "RSS MiB, main", "FDs, all", "ratio", "threads, all",
+    head = ["peer", "RSS MiB, all processes", "ratio", "RSS MiB, main", "FDs, all", "ratio",
+            "RSS / FDs, most grown in one process's life", "/dev/shm MiB held",
+            "threads, all",
             "run folder MiB", "log KiB", "restarted by the soak", "exits of its own", "helper restarts (log)",
             "rounds committed / attempted"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -181,7 +198,9 @@ def render(rows: dict[str, dict], events: dict[str, dict]) -> str:
         lines.append("| " + " | ".join([
             name, _pair(row.get("tree_rss_bytes"), _mib), _ratio(row.get("tree_rss_bytes_ratio")),
             _pair(row.get("main_rss_bytes"), _mib), _pair(row.get("tree_fds"), lambda x: f"{x:.0f}"),
-            _ratio(row.get("tree_fds_ratio")), _pair(row.get("tree_threads"), lambda x: f"{x:.0f}"),
+            _ratio(row.get("tree_fds_ratio")),
+            f"{_ratio(row.get('tree_rss_bytes_worst_life'))} / {_ratio(row.get('tree_fds_worst_life'))}", _pair(row.get("tree_shm_bytes"), lambda x: f"{x / 2 ** 20:.1f}"),
+            _pair(row.get("tree_threads"), lambda x: f"{x:.0f}"),
             _pair(row.get("dir_bytes"), lambda x: f"{x / 2 ** 20:.1f}"),
             _pair(row.get("log_bytes"), lambda x: f"{x / 1024:.0f}"),
             str(ev.get("restarted", 0) if name != "bootstrap" else "–"), str(ev.get("exits", 0)),

@@ -51,7 +51,7 @@ def test_proc_and_log_parsing():
 
 def sample(t, rss, fds, up=1000.0, since_fault=1e9, metrics=0, alive=True):
     usage = {"rss_bytes": rss, "fds": fds, "threads": 20}
-    return {"kind": "sample", "peer": "peer0", "t_s": t, "alive": alive, "up_s": up, "since_fault_s": since_fault,
+    return {"kind": "sample", "peer": "peer0", "pid": 42, "t_s": t, "alive": alive, "up_s": up, "since_fault_s": since_fault,
             "tree": usage, "main": dict(usage), "dir_bytes": 1000 + metrics, "dir_files": 3, "metrics_bytes": metrics,
             "checkpoint_bytes": 500, "log_bytes": 100, "restarted": 2, "restart_failed": 0, "tracebacks": 0,
             "never_retrieved": 0, "committed": 9, "attempted": 12}
@@ -69,6 +69,7 @@ def test_start_and_end_leave_out_warmup_and_settling():
     assert row["tree_rss_bytes"] == (100, 106) and row["tree_rss_bytes_ratio"] == pytest.approx(1.06)
     assert row["tree_fds"] == (10, 11) and row["tree_fds_ratio"] == pytest.approx(1.1)
     assert row["tree_rss_bytes_peak"] == 106
+    assert row["tree_fds_worst_life"] == pytest.approx(1.1)  # one process (the sample's pid) all along
     assert row["metrics_bytes"] == (0, 4800)
     assert row["metrics_bytes_per_min"] == pytest.approx(4800 / ((495 - 180) / 60))
     assert (row["committed"], row["attempted"], row["restarted"]) == (9, 12, 2)
@@ -86,6 +87,10 @@ def test_verdict_flags_growth_unmeasured_figures_and_unrotated_files():
     assert v["notes"] == ["peer0: RSS grew ×1.20 after warm-up",
                           "peer0: metrics grows 10.0 KiB/min (14 MiB/day), never rotated",
                           "peer1: FDs not measured after warm-up (1 steady samples)"]
+    v = verdict({"peer0": {**flat, "tree_fds_worst_life": 3.0}})  # a leak a restart of the peer hid
+    assert not v["fds_flat"] and v["notes"] == ["peer0: FDs grew ×3.00 within the life of one process"]
+    v = verdict({"peer0": {**flat, "tree_shm_bytes": (10, 13), "tree_shm_bytes_ratio": 1.3}})
+    assert not v["memory_flat"] and v["notes"] == ["peer0: shared memory held grew ×1.30 after warm-up"]
     v = verdict({"peer0": {**flat, "checkpoint_bytes": (500, 1500)}})
     assert not v["folder_bounded"] and v["notes"] == ["peer0: checkpoint_bytes grew from 500 to 1500"]
 
