@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -166,7 +167,8 @@ def test_web_page_shows_the_swarms_peers_and_rounds_rising_in_chromium(browser, 
 def _forged_roster(n: int) -> list[PeerStatus]:
     """``n`` peers at round 7, one of them named with markup, a tenth of them on another digest (a fork)."""
     roster = [PeerStatus(name=f"peer{i:04d}", peer_id=f"id{i:04d}", round=7, digest=("b" if i % 10 == 0 else "a") * 64,
-                         tokens_per_s=100.0 + i, last_allreduce_s=0.5, steps_per_s=float("nan"))
+                         tokens_per_s=100.0 + i, last_allreduce_s=0.5, steps_per_s=float("nan"), last_steps=3,
+                         last_planned_steps=4, last_loss=2.5)
               for i in range(n)]
     roster[10].name = MARKUP  # a peer on the minority digest: listed first
     roster[20].name = "x" * 500  # truncated by the page's server
@@ -233,7 +235,25 @@ def test_web_api_is_typed_bounded_and_served_under_a_strict_policy():
     long = [p["name"] for p in run["peers"] if p["name"].startswith("xxx")]
     assert all(len(name) == web_view.NAME_CHARS for name in long)
     assert all(p["steps_per_s"] is None for p in run["peers"])  # NaN in a record: shown as unknown, valid JSON
+    assert {(p["steps_done"], p["steps_planned"], p["loss"]) for p in run["peers"]} == {(3, 4, 2.5)}
     assert len(json.dumps(view)) < 200_000  # cheap to send every few seconds
+
+
+def test_web_shows_the_steps_and_loss_that_roster_records_carry():
+    """A peer's last round (steps done and planned, loss) passes the roster's record checks into the page's rows;
+    a record without them (an older peer's) shows them as unknown; an impossible loss drops the record."""
+    from p2p_diloco.net.records import RecordError, roster_entry
+
+    peer = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
+    record = {"name": "p", "peer_id": peer, "round": 2, "digest": "ab" * 32, "last_steps": 9,
+              "last_planned_steps": 12, "last_loss": 3.25}
+    row = web_view.peer_row({**asdict(roster_entry(peer, record)), "state": "agrees"}, 0.0)
+    assert (row["steps_done"], row["steps_planned"], row["loss"]) == (9, 12, 3.25)
+    old = {k: v for k, v in record.items() if not k.startswith("last_")}
+    row = web_view.peer_row({**asdict(roster_entry(peer, old)), "state": "agrees"}, 0.0)
+    assert row["loss"] is None and row["steps_done"] == 0
+    with pytest.raises(RecordError):
+        roster_entry(peer, {**record, "last_loss": -1.0})
 
 
 def test_web_remembers_bounded_rounds_and_peers_gone():

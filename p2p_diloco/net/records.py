@@ -31,6 +31,7 @@ MAX_ROUND = 2 ** 31    # rounds: far above any run (a round a minute for 4000 ye
 MAX_COUNT = 2 ** 62    # tokens, bytes
 MAX_RATE = 1e12        # tokens/s, steps/s
 MAX_SECONDS = 1e7      # a duration (s)
+MAX_LOSS = 1e4         # a training loss (nats per token: ln(vocabulary) is far below)
 MAX_SETTINGS = 256     # keys of a published run-settings entry
 MAX_TEXT = 4096        # characters of a string setting
 MAX_LIST = 64          # items of a list setting
@@ -138,6 +139,7 @@ def roster_entry(subkey: Any, value: Any) -> PeerStatus:
     checks: dict[str, Callable[[Any, str], Any]] = {
         "leaving": flag, "donor": flag, "tokens_per_s": real, "tokens_trained": integer, "last_bytes": integer,
         "last_allreduce_s": lambda x, w: real(x, w, 0.0, MAX_SECONDS), "steps_per_s": real,
+        "last_steps": integer, "last_planned_steps": integer, "last_loss": lambda x, w: real(x, w, 0.0, MAX_LOSS),
         "reachability": lambda x, w: text(x, w, 16) if x in REACHABILITY else _raise(f"{w} is unknown")}
     for name, check in checks.items():
         if name in v and name in _STATUS_FIELDS:

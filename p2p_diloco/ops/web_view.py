@@ -61,7 +61,8 @@ def peer_row(p: dict, last_seen: float) -> dict:
             # steps planned and done in its last round, where its record has them (older peers publish neither)
             "steps_done": count(steps) if steps is not None else None,
             "steps_planned": count(planned) if planned is not None else None,
-            "loss": number(p.get("last_loss")), "allreduce_s": number(p.get("last_allreduce_s")),
+            "loss": number(p.get("last_loss")) or None,  # 0: the peer has none yet
+            "allreduce_s": number(p.get("last_allreduce_s")),
             "bytes": number(p.get("last_bytes")), "last_seen": last_seen}
 
 
