@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,7 +32,8 @@ from p2p_diloco.train.outer import state_digests
 STOP_BOUND_S = 15.0
 SMALL = {"inner.batch_size": 2, "model.seq_len": 32, "data.eval_batches": 1, "diloco.inner_steps": 6,
          "averaging.matchmaking_time": 3.0, "averaging.request_timeout": 1.0, "averaging.next_chunk_timeout": 5.0,
-         "run.checkpoint_every": 1}
+         "averaging.allreduce_timeout": 20.0, "run.checkpoint_every": 1,
+         "diloco.dylu": False}  # every round runs its H inner steps: a hold at step H/2 always comes
 TIMES: dict[str, float] = {}  # what each stop took, printed at the end (pytest -s) for the record
 
 
@@ -52,7 +54,7 @@ class Swarm:
         self.local.start_bootstrap()
         for name in ("a0", "a1"):  # slowed down (sleeps between steps): they leave the CPU to the others
             self.local.start_peer(name, ["--run.expected_peers=2", "--fault.slowdown=3"])
-        wait_for(lambda: committed(self.root / "a0") >= 1, 120, "the anchors' first round", self)
+        wait_for(lambda: committed(self.root / "a0") >= 1, 240, "the anchors' first round", self)
 
     def victim(self, name: str):
         """The test's peer, started now with the rest of its wave unless an earlier test started it."""
@@ -134,16 +136,56 @@ def assert_clean(child, code: int) -> None:
     assert (saved["round"], digest) in logged, f"checkpoint of round {saved['round']}: θ_global never logged"
 
 
+def health(child):
+    return subprocess.run([sys.executable, "-m", "p2p_diloco", "health", "--run-dir", str(child.run_dir)],
+                          capture_output=True, text=True, timeout=60)
+
+
 def hold_of(child) -> Path:
     return child.run_dir / HOLD_FILE
 
 
+# ------------------------------------------------------------------------------------------------ a checkpoint write
+
+WRITER = """
+import os, signal, sys, threading, time
+from p2p_diloco.ops.stop import on_stop_signals, unhurried
+on_stop_signals(threading.Event(), grace_s=0.5)
+os.kill(os.getpid(), signal.SIGTERM)  # the stop begins; its deadline is 0.5 s away
+with unhurried("the checkpoint's write"):
+    print("writing", flush=True)
+    time.sleep(3.0)  # a large model's checkpoint
+    open(sys.argv[1], "w").write("whole")
+time.sleep(60)  # a stuck rest of the stop
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("again", [False, True], ids=["deadline", "second-signal"])
+def test_stop_deadline_lets_a_checkpoint_write_finish_and_a_second_signal_does_not(tmp_path, process_tag, again):
+    out = tmp_path / "written"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    began = time.monotonic()
+    if again:
+        proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=30)
+    took, log = time.monotonic() - began, proc.stdout.read()
+    assert code == 128 + signal.SIGTERM, log
+    if again:  # at once, the write cut short
+        assert took < 2.5 and not out.exists() and "got SIGTERM again: exiting now" in log, log
+    else:  # past the deadline, but only once the write is whole
+        assert 2.0 < took < 10 and out.read_text() == "whole", (took, log)
+        assert "waits for the checkpoint's write to finish" in log, log
+
+
 # ------------------------------------------------------------------------------------------------ the phases
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_stop_during_start_up_sigterm_to_the_group(swarm):
     victim = swarm.victim("v-start")
-    wait_for(lambda: victim.log_path.exists() and victim.log_path.read_text().strip(), 90, "v-start's first line",
+    wait_for(lambda: victim.log_path.exists() and victim.log_path.read_text().strip(), 200, "v-start's first line",
              swarm)
     _, code = stop_time(victim, signal.SIGTERM, group=True, label="start-up (TERM, group)")
     log = victim.log_path.read_text()
@@ -151,45 +193,45 @@ def test_stop_during_start_up_sigterm_to_the_group(swarm):
     assert "stopped while starting" in log and "joined run" not in log, log[-3000:]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_stop_during_state_download_sigterm_to_the_process(swarm):
     joiner = swarm.victim("v-download")
-    wait_for(hold_of(joiner).exists, 90, "v-download's state download", swarm)
+    wait_for(hold_of(joiner).exists, 200, "v-download's state download", swarm)
     assert "fetching state" in joiner.log_path.read_text()
     _, code = stop_time(joiner, signal.SIGTERM, group=False, release=hold_of(joiner),
                         label="state download (TERM, process)")
     assert_clean(joiner, code)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_stop_during_inner_steps_sigint_to_the_group(swarm):
     victim = swarm.victim("v-inner")
-    wait_for(hold_of(victim).exists, 90, "v-inner's inner steps", swarm)
+    wait_for(hold_of(victim).exists, 200, "v-inner's inner steps", swarm)
     _, code = stop_time(victim, signal.SIGINT, group=True, release=hold_of(victim), label="inner steps (INT, group)")
     assert_clean(victim, code)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_stop_during_matchmaking_sigterm_to_the_group(swarm):
     victim = swarm.victim("v-match")
-    wait_for(hold_of(victim).exists, 90, "v-match's matchmaking", swarm)
+    wait_for(hold_of(victim).exists, 200, "v-match's matchmaking", swarm)
     _, code = stop_time(victim, signal.SIGTERM, group=True, release=hold_of(victim),
                         label="matchmaking (TERM, group)")
     assert_clean(victim, code)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_stop_during_the_allreduce_sigterm_to_the_group(swarm):
     victim = swarm.victim("v-allreduce")
-    wait_for(hold_of(victim).exists, 90, "v-allreduce's all-reduce", swarm)
+    wait_for(hold_of(victim).exists, 200, "v-allreduce's all-reduce", swarm)
     _, code = stop_time(victim, signal.SIGTERM, group=True, release=hold_of(victim), label="all-reduce (TERM, group)")
     assert_clean(victim, code)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_stop_twice_ends_at_once_and_a_stuck_stop_ends_by_itself(swarm):
     twice = swarm.victim("v-twice")
-    wait_for(hold_of(twice).exists, 90, "v-twice's inner steps", swarm)
+    wait_for(hold_of(twice).exists, 200, "v-twice's inner steps", swarm)
     began = time.monotonic()
     send(twice, signal.SIGTERM, group=False)  # held: the clean stop cannot go on
     wait_for(lambda: "stopping after the current step" in twice.log_path.read_text(), 10, "the first TERM", swarm)
@@ -198,20 +240,24 @@ def test_stop_twice_ends_at_once_and_a_stuck_stop_ends_by_itself(swarm):
     assert took < 3 and time.monotonic() - began < STOP_GRACE_S
 
     stuck = swarm.victim("v-stuck")
-    wait_for(hold_of(stuck).exists, 90, "v-stuck's inner steps", swarm)
+    wait_for(hold_of(stuck).exists, 200, "v-stuck's inner steps", swarm)
     took, code = stop_time(stuck, signal.SIGINT, group=True, label="stuck stop (INT, group)")  # never released
     assert code == 128 + signal.SIGINT, stuck.log_path.read_text()[-3000:]
     assert STOP_GRACE_S <= took < STOP_BOUND_S
     assert f"did not end within {STOP_GRACE_S:.0f} s: exiting now" in stuck.log_path.read_text()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_stop_training_anchors_and_the_bootstrap(swarm):
     """Last: the anchors while they train (INT to a0's group, TERM to a1 alone), then the bootstrap node (TERM to its
     group); then a second bootstrap node, INT to its process."""
     a0, a1 = swarm.local.peers["a0"], swarm.local.peers["a1"]
+    alive = health(a0)  # p2p-diloco health on a live peer's folder, then on a stopped one's
+    assert alive.returncode == 0 and alive.stdout.startswith("healthy: round "), alive
     _, code = stop_time(a0, signal.SIGINT, group=True, label="training (INT, group)")
     assert_clean(a0, code)
+    gone = health(a0)
+    assert gone.returncode == 1 and gone.stdout.startswith("unhealthy: no peer running"), gone
     _, code = stop_time(a1, signal.SIGTERM, group=False, label="training (TERM, process)")
     assert_clean(a1, code)
     _, code = stop_time(swarm.local.bootstrap, signal.SIGTERM, group=True, label="bootstrap (TERM, group)")

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from p2p_diloco.config import ConfigError
 from p2p_diloco.config.secrets import redacted
 from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
+from p2p_diloco.ops.stop import unhurried
 
 
 def checkpoint_state(peer) -> dict:
@@ -27,7 +28,7 @@ def checkpoint_state(peer) -> dict:
 
 
 def save(peer) -> None:
-    with peer.state.lock:
+    with peer.state.lock, unhurried("the checkpoint's write"):  # a stop's deadline lets it finish (ops/stop.py)
         save_checkpoint(peer.run_dir, checkpoint_state(peer))
 
 

@@ -6,7 +6,8 @@ is under way (a peer that is still starting: nothing of its own to save yet) the
 once instead, as KeyboardInterrupt. A second signal, or a stop still running ``STOP_GRACE_S`` after the first, ends
 the process at once with exit code 128 + the signal's number (130 for SIGINT, 143 for SIGTERM): its helper processes
 die with it (ops/procs.py: PR_SET_PDEATHSIG), and the checkpoint on disk is whole (ops/checkpoint.py writes it
-atomically), the last one saved.
+atomically), the last one saved. The one exception to ``STOP_GRACE_S``: a checkpoint being written (``unhurried``)
+is let finish, since a large model's may take longer; a second signal does not wait for it.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import shutil
 import signal
 import sys
 import threading
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 STOP_GRACE_S = 12.0
 """Longest clean stop, in seconds, before the process ends itself: inside the 15 s an operator (or systemd's, Docker's
 or Kubernetes' grace period, 10 to 90 s) may give, with room for the helpers to die with it."""
 
 logger = logging.getLogger("p2p_diloco")
+_unhurried = threading.Condition()  # guards _writes: blocks under way that a stop's deadline lets finish
+_writes: list[str] = []
 
 
 def on_stop_signals(stop: threading.Event, started: Callable[[], bool] = lambda: True,
@@ -59,8 +63,26 @@ def _deadline(name: str, code: int, grace_s: float) -> None:
     """Runs beside a clean stop: the process is still there ``grace_s`` seconds after the signal, so a wait in the
     stop is stuck (a helper that died under a call, a peer that stopped answering): end it now."""
     threading.Event().wait(grace_s)
-    logger.warning(f"the stop asked by {name} did not end within {grace_s:.0f} s: exiting now")
-    force_exit(code)
+    with _unhurried:
+        if _writes:
+            logger.warning(f"the stop asked by {name} waits for {_writes[0]} to finish")
+            _unhurried.wait_for(lambda: not _writes)
+        logger.warning(f"the stop asked by {name} did not end within {grace_s:.0f} s: exiting now")
+        force_exit(code)
+
+
+@contextmanager
+def unhurried(what: str) -> Iterator[None]:
+    """A block that a stop's deadline lets finish before it ends the process (writing a checkpoint: cut short, the
+    write would leave the previous checkpoint, losing the rounds since)."""
+    with _unhurried:
+        _writes.append(what)
+    try:
+        yield
+    finally:
+        with _unhurried:
+            _writes.remove(what)
+            _unhurried.notify_all()
 
 
 def force_exit(code: int) -> None:
