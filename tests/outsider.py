@@ -124,7 +124,7 @@ class _Attempts:
         key, expiration = f"{self.prefix}.roster", get_dht_time() + 300
         through_dht = await node.store(key, asdict(status), expiration, subkey=self.victim)
         key_id, ser = DHTID.generate(source=key), node.protocol.serializer
-        identity = node.protocol.record_validator._validators[0].identity
+        identity = next(v.identity for v in node.protocol.record_validator._validators if hasattr(v, "identity"))
         sealed = seal(identity, key_id.to_bytes(), ser.dumps(self.victim), ser.dumps(asdict(status)), expiration)
         direct = await node.protocol.call_store(target, [key_id], [sealed], expiration, subkeys=[self.victim])
         validator, node.protocol.record_validator = node.protocol.record_validator, None  # read what is stored
