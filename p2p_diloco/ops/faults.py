@@ -92,7 +92,7 @@ class Attack:
     """``fault.attack``: from round ``start`` on, this member puts a bad contribution through the normal all-reduce
     (security tests, benchmarks/robust.py). It acts in the averager's process: ``on_tensors`` on its buffers before
     they are cut into parts (nan, flip, random, stale), ``on_wire`` on each message to another reducer (shape,
-    weight). ``equivocate`` acts as a reducer and is not handled here."""
+    weight). ``equivocate`` and ``frame`` act as a reducer (net/averaging/allreduce.py) and are not handled here."""
     mode: str
     start: int
     history: list = field(default_factory=list)  # stale: our honest pseudo-gradients of the last rounds, newest last

@@ -9,8 +9,9 @@ serving; a peer that misses any part records the reducer as failed. See averagin
 
 Screening (screening.py): a reducer checks every part it receives (decodable, the shape due, finite, the weight every
 member derived from the gathered tokens). A bad part makes it stop serving every sender with a PROTOCOL_VIOLATION
-that names the culprit (in the message's ``peer_id``, the reason in ``group_id``): the round fails on every member,
-nothing partial is applied, and each member learns whom to leave out next (averaging.py). Parts of members whose
+that names the culprit (in the message's ``peer_id``) and carries the evidence: the part as the culprit signed it
+(evidence.py). The round fails on every member, nothing partial is applied, and each member judges the evidence
+itself to learn whom to leave out next: the culprit if the evidence holds, else the reducer that accused it. Parts of members whose
 weight is 0 (not participants) are not even decoded: an excluded member cannot fail the round by what it sends.
 With a robust ``aggregator`` (aggregators.py) the reducer holds every sender's copy of a part, then combines them.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
@@ -29,6 +31,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 
 from p2p_diloco.net.averaging.aggregators import Aggregator
+from p2p_diloco.net.averaging.evidence import Accusation, judge, part_statement
 from p2p_diloco.net.averaging.screening import part_problem
 from p2p_diloco.net.averaging.verify import ReducerDigests, part_digest
 from p2p_diloco.net.averaging.wire import WireCodec, decode_part
@@ -40,8 +43,11 @@ class CanonicalAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose reducers stream the encoded average itself; any lost part fails the whole run."""
 
     def __init__(self, *, average_codec: WireCodec, fault=None, weights=None, aggregator: Aggregator = Aggregator(),
-                 attack=None, equivocate: bool = False, **kwargs):
+                 attack=None, equivocate: bool = False, identity=None, **kwargs):
         super().__init__(**kwargs)
+        self.identity = identity  # our libp2p key: we sign each part we send (evidence.py); None: unsigned (benchmarks)
+        self.evidence: dict = {}  # PeerID -> (part index, its message) that we refused, shown with our refusal
+        self.sign_seconds = 0.0  # time spent signing our parts
         # the weight each sender must send (screening.member_weights); None: trust the message (benchmarks' callers)
         self.weights = dict(zip(self.ordered_peer_ids, weights)) if weights is not None else None
         self.attack = attack  # faults.Attack acting on what we send (tests): shape, weight
@@ -62,6 +68,9 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         self.part_digests = ReducerDigests(len(self.ordered_peer_ids))  # what we received, for reducer checks
         own = self.tensor_part_container._input_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)]
         self._own_infos = [info for _, info in own]  # where each of our parts lies in its tensor
+        # the part shapes each reducer screens against, the same on every member: to judge a refusal's evidence
+        self._part_shapes = [tuple(part.shape for part, _ in parts)
+                             for parts in self.tensor_part_container._input_parts_by_peer]
 
     async def _encode_average(self, part_index: int, averaged: torch.Tensor):
         """Encode the average of one of our parts once; every recipient (us included) gets these same bytes."""
@@ -82,17 +91,23 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         return sent if self.weights is None else self.weights[peer_id]
 
     def _refusal(self) -> averaging_pb2.AveragingData:
-        """What a reducer that stops serving sends: the culprit and the reason if a sender was malformed."""
+        """What a reducer that stops serving sends: if a sender was malformed, the culprit, and as evidence the part
+        it refused with the culprit's signature (evidence.py); a reducer refusing its own part shows none."""
         if not self.malformed:
             return averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
         peer, why = next(iter(self.malformed.items()))
+        part_index, msg = self.evidence.get(peer, (-1, averaging_pb2.AveragingData()))
+        accusation = Accusation(why, part_index, msg.peer_id)
         return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION, peer_id=peer.to_bytes(),
-                                           group_id=why.encode()[:300])
+                                           group_id=accusation.encode(), tensor_part=msg.tensor_part,
+                                           weight=msg.weight)
 
-    async def _refuse_sender(self, sender_index: int, why: str) -> None:
+    async def _refuse_sender(self, sender_index: int, why: str, part_index: int = -1, msg=None) -> None:
         peer = self.sender_peer_ids[sender_index]
         logger.warning(f"reducer: sender {peer} sent a malformed contribution: {why}; failing the round")
         self.malformed.setdefault(peer, why)
+        if msg is not None:
+            self.evidence.setdefault(peer, (part_index, msg))
         await self._ban_sender(peer)
 
     def _check_senders_intact(self) -> None:
@@ -171,10 +186,10 @@ class CanonicalAllReduceRunner(AllReduceRunner):
     async def _receive_averages(self, peer_id, peer_index: int, stream, all_received: asyncio.Event) -> None:
         def decode(msg):
             if msg.code == averaging_pb2.PROTOCOL_VIOLATION and msg.peer_id:
-                culprit = PeerID(msg.peer_id)
-                self.malformed.setdefault(culprit, msg.group_id.decode(errors="replace"))
-                raise AllreduceException(f"reducer {peer_id} refused {culprit}'s contribution: "
-                                         f"{self.malformed[culprit]}")
+                accused, blamed, why = self._judge_refusal(peer_id, peer_index, msg)
+                self.malformed.setdefault(blamed, why)
+                raise AllreduceException(f"reducer {peer_id} refused {accused}'s contribution: "
+                                         f"{'' if blamed == accused else 'void, the reducer is blamed: '}{why}")
             if msg.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
             self.bytes_received += len(msg.tensor_part.buffer)
@@ -192,11 +207,31 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         if part_index != expected:
             raise AllreduceException(f"{peer_id} sent {part_index} of {expected} parts")
 
+    def _judge_refusal(self, reducer, reducer_index: int, msg) -> tuple:
+        """A reducer's refusal naming a culprit: (the accused, whom we blame, why), by the evidence (evidence.py)."""
+        accused = PeerID(msg.peer_id)
+        expected = None if self.weights is None else self.weights.get(accused, 0.0)
+        blamed, why = judge(culprit=accused.to_bytes(), reducer=reducer.to_bytes(), group_id=self.group_id,
+                            accusation=Accusation.decode(msg.group_id), weight=msg.weight,
+                            tensor=msg.tensor_part, part_shapes=self._part_shapes[reducer_index],
+                            expected_weight=expected)
+        if blamed != accused.to_bytes():
+            logger.warning(f"reducer {reducer} accused {accused} of a malformed contribution without evidence "
+                           f"that holds: {why}")
+        return accused, PeerID(blamed), why
+
     async def _generate_input_for_peer(self, peer_index: int):
+        reducer, part_index = self.ordered_peer_ids[peer_index].to_bytes(), 0
         async for msg in super()._generate_input_for_peer(peer_index):
             msg.weight = self._expected_weight(self.peer_id, self.weight)
             if self.attack is not None:
                 self.attack.on_wire(msg)
+            if self.identity is not None:  # our signature over this part: evidence against us if it is bad
+                started = time.perf_counter()
+                msg.peer_id = self.identity.sign(part_statement(self.group_id, reducer, part_index, msg.weight,
+                                                                msg.tensor_part))
+                self.sign_seconds += time.perf_counter() - started
+            part_index += 1
             self.bytes_sent += len(msg.tensor_part.buffer)
             yield msg
             if self.fault is not None and self.fault.phase == "sending":
@@ -208,11 +243,13 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         part_index, ended = 0, "input ended"
         peer = self.sender_peer_ids[sender_index]
         try:
-            async for part, weight in amap_in_executor(lambda msg: self._screen(msg, peer), stream,
-                                                       max_prefetch=self.tensor_part_container.prefetch):
+            async for part, weight, msg in amap_in_executor(lambda msg: self._screen(msg, peer), stream,
+                                                            max_prefetch=self.tensor_part_container.prefetch):
                 why = self._problem(part, weight, peer, part_index)
+                if why is None and self._framing(sender_index):
+                    why = "NaN or Inf in its part"  # fault.attack=frame: a lie about a well-formed part (tests)
                 if why is not None:
-                    await self._refuse_sender(sender_index, why)
+                    await self._refuse_sender(sender_index, why, part_index, msg)
                     yield self._refusal()
                     return
                 if part is None:  # a non-participant's: weight 0
@@ -247,11 +284,11 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         """Decode a sender's part (in the executor); a non-participant's part is not decoded (it enters with weight
         0); an undecodable one comes back as the error's text."""
         if self.weights is not None and self.weights[peer] == 0:
-            return None, msg.weight
+            return None, msg.weight, msg
         try:
-            return decode_part(msg.tensor_part), msg.weight
+            return decode_part(msg.tensor_part), msg.weight, msg
         except Exception as e:  # noqa: BLE001 - anything a sender can make the decoder raise
-            return f"an undecodable part ({type(e).__name__})", msg.weight
+            return f"an undecodable part ({type(e).__name__})", msg.weight, msg
 
     def _problem(self, part, weight: float, peer, part_index: int):
         """Why this part cannot enter the average (screening.part_problem), or None; a non-participant's part is
@@ -264,6 +301,13 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             return None
         shape = self.tensor_part_reducer.part_shapes[part_index]
         return part_problem(part, shape, weight, self._expected_weight(peer, weight))
+
+    def _framing(self, sender_index: int) -> bool:
+        """fault.attack=frame: as a reducer, refuse the first other participating sender's well-formed part."""
+        if self.attack is None or self.attack.mode != "frame":
+            return False
+        others = [p for p in self.sender_peer_ids if p != self.peer_id and self._expected_weight(p, 1.0) > 0]
+        return bool(others) and self.sender_peer_ids[sender_index] == others[0]
 
     def _deceived(self, sender_index: int) -> bool:
         """fault.attack=equivocate: every other sender (ourselves excepted) gets other bytes than the rest."""
@@ -337,3 +381,4 @@ async def _read_stream(peer_id, reader):
         if err is not None:
             raise AllreduceException(f"reducer {peer_id} failed: {err.message}")
         yield msg
+

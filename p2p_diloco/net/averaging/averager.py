@@ -44,6 +44,7 @@ from p2p_diloco.net import handlers as _handlers  # noqa: F401  (incoming stream
 from p2p_diloco.net.averaging.aggregators import Aggregator
 from p2p_diloco.net.averaging.allreduce import CanonicalAllReduceRunner
 from p2p_diloco.net.security.gate import MemberGate, contribution_proof
+from p2p_diloco.net.security.records import PeerSignatureValidator
 from p2p_diloco.net.averaging.screening import accused, member_weights, sane_contribution
 from p2p_diloco.net.averaging.reducer_checks import capped_fractions, sane_bandwidths
 from p2p_diloco.net.averaging.verify import PartVerifier
@@ -93,6 +94,7 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
         self._weight_by_tokens, self._max_weight_ratio = weight_by_tokens, max_weight_ratio
         self._verify_parts_on, self._max_share, self._equivocate_from = verify_parts, max_share, equivocate_from
         self._verifications = {}
+        self._signer = _identity_of(args[1] if len(args) > 1 else kwargs.get("dht"))  # signs our parts
         self._survive, self._reduced = survive_losses, False
         self.state_provider = None  # set in the host process: () -> (metadata dict, tensors)
         super().__init__(*args, compression=codec, **kwargs)
@@ -221,7 +223,7 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
                 self._attack.on_tensors(local_tensors, round_)
             return await self._run_allreduce_inplace_(
                 local_tensors, group_info, weight=weights[me], weights=weights, aggregator=self._aggregator,
-                attack=attack, fault=fault, equivocate=equivocate, **kwargs)
+                attack=attack, fault=fault, equivocate=equivocate, identity=self._signer, **kwargs)
 
     def _contribution(self, gathered) -> Contribution:
         """A member's gathered record; one that is not a well-formed contribution counts as one with no tokens."""
@@ -342,14 +344,6 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
         self._matchmaking.group_key_manager.target_group_size = None
 
 
-def _malformed_summary(culprits: dict, contributions, peer_ids) -> dict:
-    """A round failed on a malformed contribution: who sent what, for the result and its error text."""
-    malformed = {p: (contributions[peer_ids.index(p)].name if p in peer_ids else "?", why)
-                 for p, why in culprits.items()}
-    return dict(malformed=malformed, error="round failed, malformed contribution refused: " +
-                "; ".join(f"{name} ({p}): {why}" for p, (name, why) in malformed.items()))
-
-
 class _StateBudget:
     """A state download's bound, from the model's shapes: θ_global and at most 3 outer-optimizer tensors per
     parameter (fp32), with room for framing, and one metadata message of at most 1 MiB. A donor that streams more
@@ -372,3 +366,18 @@ class _StateBudget:
         self.tensors_left -= 1 if message.tensor_part.dtype else 0
         if self.left < 0 or self.tensors_left < 0:
             raise ValueError("the donor's state is larger than this model's state can be: cut off")
+
+
+def _identity_of(dht):
+    """The libp2p identity our DHT node runs with (net/security/records.py keeps it in its record validator), or None
+    for a DHT started otherwise (then our parts go unsigned, and a reducer can show no evidence against us)."""
+    validators = getattr(getattr(dht, "_record_validator", None), "_validators", ())
+    return next((v.identity for v in validators if isinstance(v, PeerSignatureValidator)), None)
+
+
+def _malformed_summary(culprits: dict, contributions, peer_ids) -> dict:
+    """A round failed on a malformed contribution: who sent what, for the result and its error text."""
+    malformed = {p: (contributions[peer_ids.index(p)].name if p in peer_ids else "?", why)
+                 for p, why in culprits.items()}
+    return dict(malformed=malformed, error="round failed, malformed contribution refused: " +
+                "; ".join(f"{name} ({p}): {why}" for p, (name, why) in malformed.items()))
