@@ -35,7 +35,6 @@ from p2p_diloco.train.outer import state_digests
 
 logger = logging.getLogger("p2p_diloco")
 FINISHED_TTL = 3600.0  # s a "finished the run" entry lasts: a peer that comes late still learns the run is over
-REDIAL_S = 30.0  # s between two dials of the initial peers from the heartbeat (a restarted bootstrap node learns us)
 
 
 class Membership:
@@ -136,7 +135,8 @@ class Membership:
             self.publish()
             self.announce_run()
             self._refresh_access()
-            if self.cfg.network.initial_peers and time.monotonic() - self._last_redial >= REDIAL_S:
+            # once per roster TTL, dial the initial peers: a restarted bootstrap node knows nobody until dialed
+            if self.cfg.network.initial_peers and time.monotonic() - self._last_redial >= self.cfg.averaging.roster_ttl:
                 self._last_redial = time.monotonic()
                 redial(self.dht, self.cfg.network.initial_peers, self.cfg.averaging.request_timeout)
 

@@ -53,30 +53,30 @@ class NetworkLost(JoinError):
 
 # ---------------------------------------------------------------------------------------------- fail fast
 class GuardedPipe:
-    """The host side of hivemind's DHT command pipe: a call on a node known dead fails at once, and the calls
-    waiting for an answer fail as soon as the node is marked down (:meth:`fail_all`), whatever they wait with."""
+    """The host side of a hivemind helper's command pipe (the DHT's, the averager's): a call on a helper known dead
+    fails at once, and every call waiting for an answer (an MPFuture sent with it) fails as soon as the helper is
+    marked down (:meth:`fail_all`), whatever it waits with. ``owner.down_reason()`` says whether it is down."""
 
-    def __init__(self, pipe, owner: "FailFast"):
+    def __init__(self, pipe, owner):
         self._pipe, self._owner = pipe, owner
         self._waiting: weakref.WeakSet = weakref.WeakSet()
 
     def send(self, message) -> None:
-        future = message[2].get("future") if isinstance(message, tuple) and len(message) == 3 else None
+        futures = _futures(message)
         reason = self._owner.down_reason()
         if reason is not None:
-            _fail(future, reason)
-            if future is None:
-                raise HelperDied(reason)
+            self._refuse(futures, reason)
             return
-        if future is not None:
-            self._waiting.add(future)
+        self._waiting.update(futures)
         try:
             self._pipe.send(message)
-        except (OSError, ValueError) as e:  # the pipe was closed under us (the node was marked down)
-            reason = self._owner.down_reason() or f"the DHT process does not take calls ({type(e).__name__})"
+        except (OSError, ValueError) as e:  # the pipe was closed under us (the helper was marked down)
+            self._refuse(futures, self._owner.down_reason() or f"a helper process takes no calls ({e!r})")
+
+    @staticmethod
+    def _refuse(futures: list, reason: str) -> None:
+        for future in futures:  # a command that waits for nothing (a setting, a shutdown) is dropped
             _fail(future, reason)
-            if future is None:
-                raise HelperDied(reason) from None
 
     def fail_all(self, reason: str) -> None:
         for future in list(self._waiting):
@@ -86,8 +86,15 @@ class GuardedPipe:
         return getattr(self._pipe, name)
 
 
+def _futures(message) -> list:
+    """The futures a hivemind command carries: ``(method, args, kwargs)`` with MPFutures among the kwargs."""
+    if not (isinstance(message, tuple) and len(message) == 3 and isinstance(message[2], dict)):
+        return []
+    return [v for v in message[2].values() if hasattr(v, "set_exception") and hasattr(v, "done")]
+
+
 def _fail(future, reason: str) -> None:
-    if future is not None and not future.done():
+    if not future.done():
         try:
             future.set_exception(HelperDied(reason))
         except Exception:  # noqa: BLE001 - it was answered meanwhile
@@ -101,6 +108,7 @@ class FailFast:
     down: Optional[str] = None
 
     def __init__(self, *args, **kwargs):
+        quiet_tracebacks()  # before the DHT process (and later the averager) is forked: they inherit it
         super().__init__(*args, **kwargs)
         self._outer_pipe = GuardedPipe(self._outer_pipe, self)
 
@@ -126,12 +134,44 @@ class FailFast:
         if isinstance(pipe, GuardedPipe):
             pipe.fail_all(self.down)
         if os.getpid() == self._parent_pid and not self.is_alive():
-            # a writer blocked on the full pipe gets EPIPE once no reader is left: the DHT process's copy is gone
-            # with it, the averager's copy goes with the averager (killed first), this is ours
-            try:
-                self._inner_pipe.close()
-            except OSError:
-                pass
+            # a writer blocked on the full pipe (nobody reads it now) goes on once the pipe is emptied: read it here
+            threading.Thread(target=_drain, args=(self._inner_pipe,), name="dht-pipe-drain", daemon=True).start()
+
+
+def _drain(pipe, quiet_s: float = 10.0) -> None:
+    """Read and drop what is written into a dead helper's pipe until nothing came for ``quiet_s`` s; then close it."""
+    try:
+        while pipe.poll(quiet_s):
+            pipe.recv_bytes()
+    except (OSError, EOFError):
+        pass
+    try:
+        pipe.close()
+    except OSError:
+        pass
+
+
+# hivemind logs an ordinary failed round ("could not find a group") and a pipe closed as its process ends with a full
+# traceback; our own WARN line already says what happened. These loggers keep their one line, without the traceback,
+# unless hivemind logs at DEBUG level.
+QUIET_LOGGERS = ("hivemind.averaging.averager", "hivemind.dht.dht")
+
+
+class _OneLine(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and not logging.getLogger("hivemind").isEnabledFor(logging.DEBUG):
+            error = record.exc_info[1]
+            if error is not None and type(error).__name__ not in record.getMessage():
+                record.msg, record.args = f"{record.getMessage()} ({type(error).__name__})", None
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_tracebacks() -> None:
+    for name in QUIET_LOGGERS:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _OneLine) for f in target.filters):
+            target.addFilter(_OneLine())
 
 
 def exit_text(code: Optional[int]) -> str:
@@ -221,17 +261,21 @@ class Watch:
         return None
 
     def _p2pd_exit(self) -> Optional[int]:
-        try:  # the DHT process reaped it: ask it how it ended
-            return daemon_info(self.dht, 2.0)[1]
-        except Exception:  # noqa: BLE001
-            return None
+        """How p2pd ended, asked of the DHT process once it has reaped it (within a second or two)."""
+        for _ in range(4):
+            try:
+                code = daemon_info(self.dht, 1.0)[1]
+            except Exception:  # noqa: BLE001 - the DHT process does not answer either: unknown
+                return None
+            if code is not None:
+                return code
+            time.sleep(0.5)  # its child watcher reaps p2pd on its own schedule: no event reaches us
+        return None
 
-    def unresponsive(self) -> bool:
-        """True if the DHT process or its p2pd did not answer within PING_TIMEOUT_S."""
-        try:
-            return daemon_info(self.dht, PING_TIMEOUT_S)[2] is None
-        except Exception:  # noqa: BLE001 - TimeoutError, HelperDied
-            return True
+    def ping(self):
+        """Ask the DHT process and its p2pd for a sign of life; returns the future of :class:`_DaemonInfo`'s answer
+        (its listen multiaddrs are None if p2pd did not answer within PING_TIMEOUT_S)."""
+        return self.dht.run_coroutine(_DaemonInfo(PING_TIMEOUT_S), return_future=True)
 
     def mark_down(self, reason: str) -> None:
         """Everything that waits on this stack stops waiting: the averager (killed when the DHT or its p2pd is gone:
@@ -253,24 +297,41 @@ class Watchdog(threading.Thread):
         self.found: Optional[tuple[str, str]] = None  # (helper, what happened)
         self._stopped = threading.Event()
         self._misses = 0
+        self._ping, self._pinged = None, time.monotonic()  # the ping under way (a future), when it was sent
 
     def stop(self) -> None:
         self._stopped.set()
 
     def run(self) -> None:
-        last_ping = time.monotonic()
         while not self._stopped.wait(CHECK_EVERY_S):
-            found = self.watch.dead()
-            if found is None and time.monotonic() - last_ping >= PING_EVERY_S:
-                last_ping = time.monotonic()
-                self._misses = self._misses + 1 if self.watch.unresponsive() else 0
-                if self._misses >= PING_MISSES:
-                    found = ("dht", f"the DHT process or its p2pd stopped answering ({PING_MISSES} pings of "
-                                    f"{PING_TIMEOUT_S:.0f} s unanswered)")
+            found = self.watch.dead() or self._silent()
             if found is not None and not self._stopped.is_set():
                 self.found = found
                 self.watch.mark_down(found[1])
                 return
+
+    def _silent(self) -> Optional[tuple[str, str]]:
+        """Ping every PING_EVERY_S without waiting for the answer here (a dead process is found meanwhile);
+        PING_MISSES unanswered in a row: the stack is unresponsive."""
+        now = time.monotonic()
+        if self._ping is None:
+            if now - self._pinged >= PING_EVERY_S:
+                self._ping, self._pinged = [], now
+                # sent from a thread of its own: a send into a pipe that fills as its reader dies may block, and this
+                # thread must stay free to find that death
+                threading.Thread(target=lambda sent: sent.append(self.watch.ping()), args=(self._ping,),
+                                 name="network-ping", daemon=True).start()
+            return None
+        if self._ping and self._ping[0].done():
+            ping = self._ping[0]
+            answered = ping.exception() is None and ping.result()[2] is not None
+            self._misses, self._ping = 0 if answered else self._misses + 1, None
+        elif now - self._pinged > PING_TIMEOUT_S + 5:
+            self._misses, self._ping = self._misses + 1, None
+        if self._misses < PING_MISSES:
+            return None
+        return "dht", f"the DHT process or its p2pd stopped answering ({PING_MISSES} pings of " \
+                      f"{PING_TIMEOUT_S:.0f} s unanswered)"
 
 
 # ---------------------------------------------------------------------------------------------- the supervisor

@@ -21,7 +21,7 @@ from p2p_diloco.net.deadlines import DeadlineEstimator
 from p2p_diloco.net.averaging.wire import WireCodec, payload_bytes
 from p2p_diloco.net.averaging.contribution import AverageResult, Contribution
 from p2p_diloco.net.averaging.averager import CanonicalAverager
-from p2p_diloco.net.supervise import HelperDied
+from p2p_diloco.net.supervise import GuardedPipe, HelperDied
 from p2p_diloco.ops.faults import AVERAGER_PHASES
 
 
@@ -66,6 +66,8 @@ class Averager:
             allreduce_timeout=cfg.allreduce_timeout, next_chunk_timeout=cfg.next_chunk_timeout,
             part_size_bytes=cfg.part_size_bytes, client_mode=client_mode, allow_state_sharing=False,
             shutdown_timeout=5)
+        # every command to its process fails at once once it is gone, and what waits on it stops waiting (abandon)
+        self._averager._outer_pipe = GuardedPipe(self._averager._outer_pipe, self)
         self._group_size = expected_group_size or cfg.target_group_size
         payload = payload_bytes(sum(b.numel() for b in buffers), cfg.codec, cfg.average_codec)
         self._estimator = DeadlineEstimator(cfg.allreduce_timeout, cfg.next_chunk_timeout, cfg.part_size_bytes,
@@ -75,7 +77,6 @@ class Averager:
         self._pending: Optional[PendingAverage] = None  # an all-reduce under way (start_average)
         self._leading = True  # whether this peer declares itself as a leader in matchmaking (start_average)
         self.gone: Optional[str] = None  # why this averager can no longer work (net/supervise.py): calls fail at once
-        self._download: Optional[MPFuture] = None  # a state download under way
 
     @property
     def peer_id(self) -> str:
@@ -130,8 +131,8 @@ class Averager:
         contribution = replace(contribution, suspects=[p for p, last in self.suspects.items()
                                                        if last > contribution.round])
         pending = PendingAverage(self, contribution)
-        if self.gone is not None:
-            pending.error = f"HelperDied: {self.gone}"
+        if self.down_reason() is not None:
+            pending.error = f"HelperDied: {self.down_reason()}"
             self._pending = pending
             return pending
         try:
@@ -196,9 +197,9 @@ class Averager:
         Each donor gets ``averaging.state_timeout`` seconds; at most ``averaging.state_attempts`` donors are tried.
         """
         donors = list(donors)[: self.cfg.state_attempts]
-        if not donors or self.gone is not None:
+        if not donors or self.down_reason() is not None:
             return None
-        future = self._download = MPFuture()
+        future = MPFuture()
         self._averager._outer_pipe.send(("_download_state", [], dict(future=future, donors=donors,
                                                                        timeout=self.cfg.state_timeout)))
         try:
@@ -244,13 +245,19 @@ class Averager:
         """A helper this averager depends on died (net/supervise.py; any thread): the all-reduce and the state
         download under way fail now, later calls at once. :meth:`close` then ends its process."""
         self.gone = self.gone or reason
+        self._averager._outer_pipe.fail_all(self.gone)  # step(), its result, a state download: all stop waiting
         pending = self._pending
-        for future in (pending.control if pending is not None else None, self._download):
-            if future is not None and not future.done():
-                try:
-                    future.set_exception(HelperDied(reason))
-                except Exception:  # noqa: BLE001 - it was answered meanwhile
-                    pass
+        if pending is not None and pending.control is not None and not pending.control.done():
+            try:
+                pending.control.set_exception(HelperDied(reason))
+            except Exception:  # noqa: BLE001 - it was answered meanwhile
+                pass
+
+    def down_reason(self) -> Optional[str]:
+        """Why this averager can no longer work, or None (for its GuardedPipe)."""
+        if self.gone is None and not self._averager.is_alive():
+            return f"the averager process died (exit {self._averager.exitcode})"
+        return self.gone
 
     def close(self) -> None:
         if self._averager.is_alive():
@@ -314,8 +321,9 @@ class PendingAverage:
             try:
                 return self.control.result(timeout=min(1.0, max(0.0, until - time.perf_counter())))
             except TimeoutError:
-                if self.averager.gone is not None:
-                    raise HelperDied(self.averager.gone) from None
+                reason = self.averager.down_reason()
+                if reason is not None:
+                    raise HelperDied(reason) from None
                 if time.perf_counter() >= until:
                     raise
 
