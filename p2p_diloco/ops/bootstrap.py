@@ -53,6 +53,15 @@ def run_bootstrap(cfg: NetworkConfig, stop_event: threading.Event, *, maddrs_fil
         node.close()
 
 
+def _swarm_keys(cfg: NetworkConfig):
+    """The access keys of a private swarm's secret (not bound to a run: a bootstrap serves them all), else None."""
+    if cfg.secret is None and cfg.secret_file is None:
+        return None
+    from p2p_diloco.net.security.access import AccessKeys, read_secret
+
+    return AccessKeys.derive(read_secret(cfg.secret, cfg.secret_file))
+
+
 class _Node:
     """The bootstrap's DHT node under watch (net/supervise.py): when its process or its p2pd dies, a new node with
     the same identity, settings and listen ports replaces it; after repeated failures NetworkLost ends the process
@@ -70,7 +79,7 @@ class _Node:
         from p2p_diloco.ops.doctor import ServeSpeedTest
 
         self.dht = dht
-        dht.run_coroutine(ServeSpeedTest())  # for p2p-diloco doctor's throughput line
+        dht.run_coroutine(ServeSpeedTest(_swarm_keys(self.cfg)))  # for p2p-diloco doctor's throughput line
         if self.maddrs_file:
             _write_atomically(self.maddrs_file, "\n".join(visible_maddrs(dht)) + "\n")
         watch = Watch(dht)

@@ -26,9 +26,12 @@ from typing import Callable, Optional
 from p2p_diloco.config import Config
 from p2p_diloco.errors import JoinError
 
-SPEED_PROTOCOL = "/p2p-diloco/doctor/speed/1.0.0"
+SPEED_PROTOCOL = "/p2p-diloco/doctor/speed/2.0.0"  # 2: the request carries a membership proof
 SPEED_BYTES = 2 << 20       # each way; at 20 Mbit/s up, about a second
 SPEED_MAX_BYTES = 64 << 20  # what a bootstrap node serves at most per request
+SPEED_PROOF_BYTES = 32      # the membership proof in a request (net/security/access.py; zeros in an open run)
+SPEED_PER_PEER, SPEED_TOTAL = 1, 4  # speed tests a bootstrap node serves at once to one peer, and in all
+SPEED_HEADER_TIMEOUT = 10.0  # s for a request's header to arrive (a silent stream does not hold a slot longer)
 CLOCK_WARN_S, CLOCK_FAIL_S = 1.0, 3.0  # hivemind rejects peers more than 3 s apart (MAX_DHT_TIME_DISCREPANCY_SECONDS)
 
 
@@ -79,7 +82,7 @@ def _network_checks(cfg: Config, payload: int, say: Callable[[Line], None]) -> N
                  f"{len(answered)} of {len(net.initial_peers)} answered" + (f" (first: {answered[0]})" if answered else "")))
         if answered:
             first = answered[0].rsplit("/p2p/", 1)[1]
-            for line in _ping_lines(dht, first) + [_throughput_line(dht, first)]:
+            for line in _ping_lines(dht, first) + [_throughput_line(dht, first, _speed_proof(net, dht))]:
                 say(line)
         status = nat_status(dht, timeout=net.reachability_timeout)
         say(_reachable_line(status))
@@ -140,9 +143,19 @@ def _ping_lines(dht, peer: str) -> list[Line]:
             Line(verdict, "clock offset", f"{offset * 1e3:+.0f} ms against {peer[:16]}… (hivemind needs < 3 s)")]
 
 
-def _throughput_line(dht, peer: str, attempts: int = 2) -> Line:
+def _speed_proof(net, dht) -> bytes:
+    """Our membership proof for a private run's bootstrap node (the run-independent one: a bootstrap serves the
+    secret's whole swarm); zeros in an open run."""
+    if net.secret is None and net.secret_file is None:
+        return bytes(SPEED_PROOF_BYTES)
+    from p2p_diloco.net.security.access import AccessKeys, read_secret
+
+    return AccessKeys.derive(read_secret(net.secret, net.secret_file)).proof(dht.peer_id.to_bytes())
+
+
+def _throughput_line(dht, peer: str, proof: bytes = bytes(SPEED_PROOF_BYTES), attempts: int = 2) -> Line:
     for _ in range(attempts):  # one retry: a stream reset once on a busy link says nothing of its speed
-        result = dht.run_coroutine(_SpeedQuery(peer, SPEED_BYTES, SPEED_BYTES))
+        result = dht.run_coroutine(_SpeedQuery(peer, SPEED_BYTES, SPEED_BYTES, proof))
         if not isinstance(result, str):
             break
     if result is None:
@@ -184,8 +197,8 @@ class _SpeedQuery:
     """Runs in the DHT's process: (upload s, download s) of a speed test with ``peer``, None if it serves none, or
     why the test failed (one line)."""
 
-    def __init__(self, peer: str, up: int, down: int):
-        self.peer, self.up, self.down = peer, up, down
+    def __init__(self, peer: str, up: int, down: int, proof: bytes = bytes(SPEED_PROOF_BYTES)):
+        self.peer, self.up, self.down, self.proof = peer, up, down, proof
 
     async def __call__(self, _dht, node) -> Optional[tuple[float, float] | str]:
         from hivemind.p2p import PeerID
@@ -197,7 +210,7 @@ class _SpeedQuery:
             return None
         try:
             start = time.perf_counter()
-            writer.write(self.up.to_bytes(8, "big") + self.down.to_bytes(8, "big"))
+            writer.write(self.up.to_bytes(8, "big") + self.down.to_bytes(8, "big") + self.proof)
             chunk = bytes(1 << 16)
             for offset in range(0, self.up, len(chunk)):
                 writer.write(chunk[: self.up - offset])
@@ -213,14 +226,32 @@ class _SpeedQuery:
 
 
 class ServeSpeedTest:
-    """Runs in a bootstrap node's DHT process: answer speed tests (see _SpeedQuery)."""
+    """Runs in a bootstrap node's DHT process: answer speed tests (see _SpeedQuery). In a private run (``keys``,
+    net/security/access.py) only to a peer whose request carries a valid membership proof for its libp2p-authenticated
+    PeerID; in any run at most SPEED_PER_PEER at once per peer and SPEED_TOTAL in all (others: the stream is closed
+    unanswered, which the doctor reports as a failed test)."""
+
+    def __init__(self, keys=None):
+        self.keys = keys  # AccessKeys of the swarm's secret (run-independent), None in an open run
+        self.refused = 0
 
     async def __call__(self, _dht, node) -> None:
-        async def handle(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        active: dict = {}  # PeerID -> speed tests it holds now
+
+        async def handle(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            peer = info.peer_id
+            if active.get(peer, 0) >= SPEED_PER_PEER or sum(active.values()) >= SPEED_TOTAL:
+                self.refused += 1
+                writer.close()
+                return
+            active[peer] = active.get(peer, 0) + 1
             try:
-                header = await reader.readexactly(16)
+                header = await asyncio.wait_for(reader.readexactly(16 + SPEED_PROOF_BYTES), SPEED_HEADER_TIMEOUT)
+                if self.keys is not None and not self.keys.verify(peer.to_bytes(), header[16:]):
+                    self.refused += 1
+                    return  # not a member: closed unanswered
                 up = min(int.from_bytes(header[:8], "big"), SPEED_MAX_BYTES)
-                down = min(int.from_bytes(header[8:], "big"), SPEED_MAX_BYTES)
+                down = min(int.from_bytes(header[8:16], "big"), SPEED_MAX_BYTES)
                 await reader.readexactly(up)
                 writer.write(b"\x01")
                 chunk = bytes(1 << 16)
@@ -230,6 +261,9 @@ class ServeSpeedTest:
             except Exception:
                 pass
             finally:
+                active[peer] -= 1
+                if not active[peer]:
+                    del active[peer]
                 writer.close()
 
         await node.p2p.add_binary_stream_handler(SPEED_PROTOCOL, handle)

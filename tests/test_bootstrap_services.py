@@ -1,0 +1,90 @@
+"""What a bootstrap node serves besides the DHT, to whom (issue 24, finding 12): its speed test answers members only
+in a private swarm (a membership proof for the caller's libp2p-authenticated PeerID) and, in any swarm, at most
+SPEED_PER_PEER tests at once per peer and SPEED_TOTAL in all. Real p2pd daemons on loopback, one asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from p2p_diloco.net.security.access import AccessKeys
+from p2p_diloco.ops.doctor import SPEED_PER_PEER, SPEED_PROOF_BYTES, SPEED_PROTOCOL, ServeSpeedTest, _SpeedQuery
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+KEYS = AccessKeys.derive(b"the swarm's secret")
+
+
+async def _node(initial_peers=()):
+    from hivemind.p2p import P2P
+
+    return await P2P.create(host_maddrs=LOOPBACK, initial_peers=list(initial_peers))
+
+
+async def _query(client, server, proof: bytes):
+    return await _SpeedQuery(server.peer_id.to_base58(), 1 << 16, 1 << 16, proof)(None, SimpleNamespace(p2p=client))
+
+
+async def _private_scenario():
+    server = await _node()
+    serving = ServeSpeedTest(KEYS)
+    await serving(None, SimpleNamespace(p2p=server))
+    maddrs = [str(m) for m in await server.get_visible_maddrs()]
+    member, outsider = await _node(maddrs), await _node(maddrs)
+    try:
+        measured = await _query(member, server, KEYS.proof(member.peer_id.to_bytes()))
+        no_proof = await _query(outsider, server, bytes(SPEED_PROOF_BYTES))
+        stolen = await _query(outsider, server, KEYS.proof(member.peer_id.to_bytes()))  # another peer's proof
+        other_secret = await _query(outsider, server, AccessKeys.derive(b"another").proof(outsider.peer_id.to_bytes()))
+        return measured, [no_proof, stolen, other_secret], serving.refused
+    finally:
+        for node in (member, outsider, server):
+            await node.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_private_bootstrap_serves_its_speed_test_to_members_only(process_tag):
+    measured, refused, count = asyncio.run(_private_scenario())
+    assert isinstance(measured, tuple) and all(s > 0 for s in measured), measured
+    for outcome in refused:  # the stream closes unanswered: the query reports a failure, never a measurement
+        assert isinstance(outcome, str) and "IncompleteReadError" in outcome, outcome
+    assert count == 3
+
+
+async def _open_scenario():
+    server = await _node()
+    serving = ServeSpeedTest(None)
+    await serving(None, SimpleNamespace(p2p=server))
+    maddrs = [str(m) for m in await server.get_visible_maddrs()]
+    greedy, other = await _node(maddrs), await _node(maddrs)
+    try:
+        # greedy holds a test open: its server has answered (the slot is taken) and waits on a full pipe
+        holders = []
+        for _ in range(SPEED_PER_PEER):
+            _, reader, writer = await greedy.call_binary_stream_handler(server.peer_id, SPEED_PROTOCOL)
+            writer.write((0).to_bytes(8, "big") + (64 << 20).to_bytes(8, "big") + bytes(SPEED_PROOF_BYTES))
+            assert await asyncio.wait_for(reader.readexactly(1), 30) == b"\x01"
+            holders.append(writer)
+        over_limit = await _query(greedy, server, bytes(SPEED_PROOF_BYTES))
+        others_served = await _query(other, server, bytes(SPEED_PROOF_BYTES))
+        for writer in holders:
+            writer.close()
+        again = None
+        for _ in range(100):  # the server notices the closed streams when its next write fails
+            again = await _query(greedy, server, bytes(SPEED_PROOF_BYTES))
+            if isinstance(again, tuple):
+                break
+            await asyncio.sleep(0.2)
+        return over_limit, others_served, again
+    finally:
+        for node in (greedy, other, server):
+            await node.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_speed_tests_are_bounded_per_peer_not_refused_to_others(process_tag):
+    over_limit, others_served, again = asyncio.run(_open_scenario())
+    assert isinstance(over_limit, str) and "IncompleteReadError" in over_limit, over_limit
+    assert isinstance(others_served, tuple), others_served
+    assert isinstance(again, tuple), f"the slot was never given back: {again}"
