@@ -209,7 +209,7 @@ class Peer:
         self.rounds.group_clock = (settled.ended, result.speeds) if shared else None
         after = steps if settled.after_steps is None else settled.after_steps  # where the loop took the result
         self._log_round(result, committed, train_loss, tokens, steps, {**timing, "outer/settled_after_steps": after})
-        self._report(result, train_loss, steps)
+        self._report(result, train_loss, steps, committed)
         if committed:
             self._after_commit()
 
@@ -323,7 +323,7 @@ class Peer:
             self.log.warning(f"round {self.round + 1} not committed ({result.error}); θ_global kept, "
                              f"training continues from θ_local")
 
-    def _report(self, result, train_loss: float, steps: int) -> None:
+    def _report(self, result, train_loss: float, steps: int, committed: bool) -> None:
         """What the roster shows about our work (published with the next heartbeat or state change): our speed
         over recent rounds (averaging excluded), tokens trained, the last all-reduce, the last round's inner steps
         (done and planned) and mean training loss."""
@@ -331,6 +331,7 @@ class Peer:
             self.membership.work.update(steps_per_s=self.pace.steps_per_s, tokens_per_s=self.pace.tokens_per_s,
                                         tokens_trained=self.tokens_trained, last_allreduce_s=result.seconds,
                                         last_bytes=result.bytes_sent + result.bytes_received, last_steps=steps,
+                                        last_round=self.round if committed else self.round + 1,
                                         last_planned_steps=self.rounds.planned if steps else 0,
                                         last_loss=train_loss if 0 < train_loss < 1e4 else 0.0)  # NaN: none
 

@@ -167,8 +167,8 @@ def test_web_page_shows_the_swarms_peers_and_rounds_rising_in_chromium(browser, 
 def _forged_roster(n: int) -> list[PeerStatus]:
     """``n`` peers at round 7, one of them named with markup, a tenth of them on another digest (a fork)."""
     roster = [PeerStatus(name=f"peer{i:04d}", peer_id=f"id{i:04d}", round=7, digest=("b" if i % 10 == 0 else "a") * 64,
-                         tokens_per_s=100.0 + i, last_allreduce_s=0.5, steps_per_s=float("nan"), last_steps=3,
-                         last_planned_steps=4, last_loss=2.5)
+                         tokens_per_s=100.0 + i, last_allreduce_s=0.5, steps_per_s=float("nan"), last_round=7,
+                         last_steps=3, last_planned_steps=4, last_loss=2.5)
               for i in range(n)]
     roster[10].name = MARKUP  # a peer on the minority digest: listed first
     roster[20].name = "x" * 500  # truncated by the page's server
@@ -230,7 +230,8 @@ def test_web_api_is_typed_bounded_and_served_under_a_strict_policy():
     assert run["peers_total"] == 1000 and len(run["peers"]) == web_view.MAX_PEERS
     assert run["peers"][0]["state"] == "differs"  # the peers that disagree with the run come first
     assert run["fork"] and [d["peers"] for d in run["digests"]] == [900, 100]
-    assert run["rounds"][0]["round"] == 7 and run["rounds"][0]["fork"]
+    assert run["rounds"][0]["round"] == 7 and run["rounds"][0]["fork"] and run["rounds"][0]["committed_by"] == 1000
+    assert run["rounds"][0]["loss"] == 2.5 and run["rounds"][0]["allreduce_s"] == 0.5
     assert all(len(d["names"]) <= web_view.MAX_NAMES for d in run["rounds"][0]["digests"])
     long = [p["name"] for p in run["peers"] if p["name"].startswith("xxx")]
     assert all(len(name) == web_view.NAME_CHARS for name in long)
@@ -245,13 +246,13 @@ def test_web_shows_the_steps_and_loss_that_roster_records_carry():
     from p2p_diloco.net.records import RecordError, roster_entry
 
     peer = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
-    record = {"name": "p", "peer_id": peer, "round": 2, "digest": "ab" * 32, "last_steps": 9,
+    record = {"name": "p", "peer_id": peer, "round": 2, "digest": "ab" * 32, "last_round": 2, "last_steps": 9,
               "last_planned_steps": 12, "last_loss": 3.25}
     row = web_view.peer_row({**asdict(roster_entry(peer, record)), "state": "agrees"}, 0.0)
-    assert (row["steps_done"], row["steps_planned"], row["loss"]) == (9, 12, 3.25)
+    assert (row["last_round"], row["steps_done"], row["steps_planned"], row["loss"]) == (2, 9, 12, 3.25)
     old = {k: v for k, v in record.items() if not k.startswith("last_")}
     row = web_view.peer_row({**asdict(roster_entry(peer, old)), "state": "agrees"}, 0.0)
-    assert row["loss"] is None and row["steps_done"] == 0
+    assert row["loss"] is None and row["steps_done"] is None and row["steps_planned"] is None
     with pytest.raises(RecordError):
         roster_entry(peer, {**record, "last_loss": -1.0})
 
@@ -300,3 +301,19 @@ def test_web_refuses_a_taken_port_and_a_bad_initial_peer_in_one_line(capsys):
             assert err.count("\n") == 1 and says in err, err
     finally:
         taken.server_close()
+
+
+def test_web_gives_a_rounds_numbers_to_the_round_they_are_about():
+    """A peer publishes its new round before the numbers of the attempt that reached it: loss and all-reduce time
+    go to the round its record says they are about (``last_round``), and only to a round it holds."""
+    history = web_view.RoundHistory()
+
+    def seen(round_: int, about: int, loss: float) -> None:
+        history.observe("p", [{"peer_id": "a", "name": "a", "round": round_, "digest": f"d{round_}",
+                               "last_round": about, "allreduce_s": 1.0, "loss": loss}])
+
+    seen(1, 1, 5.0)
+    seen(2, 1, 5.0)  # round 2 committed, its numbers not yet published
+    seen(2, 2, 4.0)
+    seen(2, 3, 3.0)  # a failed attempt at round 3: a round it does not hold
+    assert [(r["round"], r["loss"], r["committed_by"]) for r in history.view("p")] == [(2, 4.0, 1), (1, 5.0, 1)]

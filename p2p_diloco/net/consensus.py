@@ -28,6 +28,7 @@ class PeerStatus:
     reachability: str = "unknown"   # how it takes part (net/reachability.py): public | relayed | client
     steps_per_s: float = 0.0        # inner steps per second over its recent rounds (DyLU plans from it; 0: unknown)
     # its last round, for anyone watching the run (p2p-diloco web): inner steps done and planned, mean training loss
+    last_round: int = 0             # the round those (and last_allreduce_s) are about: its last attempt's (0: none)
     last_steps: int = 0
     last_planned_steps: int = 0
     last_loss: float = 0.0          # 0: none yet

@@ -58,50 +58,60 @@ def peer_row(p: dict, last_seen: float) -> dict:
             "digest": text(p.get("digest"), DIGEST_CHARS), "reachability": text(p.get("reachability"), 16),
             "leaving": p.get("leaving") is True, "tokens_per_s": number(p.get("tokens_per_s")),
             "steps_per_s": number(p.get("steps_per_s")), "tokens_trained": number(p.get("tokens_trained")),
-            # steps planned and done in its last round, where its record has them (older peers publish neither)
-            "steps_done": count(steps) if steps is not None else None,
-            "steps_planned": count(planned) if planned is not None else None,
+            # steps done and planned in its last round, where its record has them (0 and 0: none yet, or an older peer)
+            "steps_done": count(steps) if count(steps) or count(planned) else None,
+            "steps_planned": count(planned) if count(steps) or count(planned) else None,
+            "last_round": count(p.get("last_round")) or None,  # the round those steps, this loss and all-reduce are about
             "loss": number(p.get("last_loss")) or None,  # 0: the peer has none yet
             "allreduce_s": number(p.get("last_allreduce_s")),
             "bytes": number(p.get("last_bytes")), "last_seen": last_seen}
 
 
 class RoundHistory:
-    """Rounds as the page saw them, per prefix: round → digest → peers (id → name) that held it, with each peer's
-    reported all-reduce time and loss for the attempt that brought it there. Bounded (newest rounds kept)."""
+    """Rounds as the page saw them, per prefix: round → digest → peers (id → name) that held it; and round → peer
+    → (all-reduce s, loss) from the records whose ``last_round`` is that round and that hold it (a peer publishes
+    its new round before the numbers of the attempt that reached it). Bounded (newest rounds kept)."""
 
     def __init__(self, max_rounds: int = MAX_ROUNDS):
         self.max_rounds = max_rounds
-        self.rounds: dict[str, OrderedDict] = {}  # prefix → round → digest → peer id → (name, allreduce_s, loss)
+        self.rounds: dict[str, OrderedDict] = {}  # prefix → round → digest → peer id → name
+        self.numbers: dict[str, dict] = {}  # prefix → round → peer id → (allreduce_s, loss)
 
     def observe(self, prefix: str, peers: list[dict]) -> None:
         rounds = self.rounds.setdefault(prefix, OrderedDict())
+        numbers = self.numbers.setdefault(prefix, {})
         for p in peers:
             if p["round"] <= 0:  # round 0 is the initial state: no round was committed
                 continue
             holders = rounds.setdefault(p["round"], {}).setdefault(p["digest"], {})
             if p["peer_id"] in holders or len(holders) < MAX_TRACKED:
-                holders[p["peer_id"]] = (p["name"], p["allreduce_s"], p["loss"])
+                holders[p["peer_id"]] = p["name"]
+            about = p.get("last_round") or 0
+            if 0 < about <= p["round"] and about in rounds:  # its last attempt reached a round it holds
+                mine = numbers.setdefault(about, {})
+                if p["peer_id"] in mine or len(mine) < MAX_TRACKED:
+                    mine[p["peer_id"]] = (p["allreduce_s"], p["loss"])
         for old in sorted(rounds)[:-self.max_rounds]:
             del rounds[old]
+            numbers.pop(old, None)
 
     def forget(self, keep: set[str]) -> None:
         for prefix in set(self.rounds) - keep:
             del self.rounds[prefix]
+            self.numbers.pop(prefix, None)
 
     def view(self, prefix: str) -> list[dict]:
         """Newest round first: its digests (most holders first), whether it forked, median all-reduce and loss."""
         out = []
         for round_, digests in sorted(self.rounds.get(prefix, {}).items(), reverse=True):
-            entries = [v for holders in digests.values() for v in holders.values()]
-            times = [t for _, t, _ in entries if t is not None]
-            losses = [x for _, _, x in entries if x is not None]
+            entries = list(self.numbers.get(prefix, {}).get(round_, {}).values())
+            times = [t for t, _ in entries if t is not None]
+            losses = [x for _, x in entries if x is not None]
             listed = sorted(digests.items(), key=lambda kv: (-len(kv[1]), kv[0]))
-            out.append({"round": round_, "fork": len(digests) > 1, "committed_by": len(entries),
+            out.append({"round": round_, "fork": len(digests) > 1, "committed_by": sum(map(len, digests.values())),
                         "allreduce_s": statistics.median(times) if times else None,
                         "loss": statistics.fmean(losses) if losses else None,
-                        "digests": [{"digest": d, "peers": len(h),
-                                     "names": sorted(name for name, _, _ in h.values())[:MAX_NAMES]}
+                        "digests": [{"digest": d, "peers": len(h), "names": sorted(h.values())[:MAX_NAMES]}
                                     for d, h in listed]})
         return out
 

@@ -55,12 +55,12 @@ function peerRow(p, now) {
   return row([
     [cut(p.name, NAME_CHARS), "peer-name"], [p.state, "state-" + cut(p.state, 16)], [num(p.round), "num peer-round"],
     [cut(p.digest, DIGEST_CHARS), "digest"], [cut(p.reachability, 16)], [num(p.tokens_per_s), "num"],
-    [num(p.steps_per_s, 2), "num"], [steps, "num"], [num(p.loss, 3), "num"], [num(p.allreduce_s, 2), "num"],
+    [num(p.steps_per_s, 2), "num"], [num(p.last_round), "num"], [steps, "num"], [num(p.loss, 3), "num"], [num(p.allreduce_s, 2), "num"],
     [ago(now, p.last_seen)], [p.leaving ? "yes" : "no"],
   ]);
 }
 
-const PEER_HEADERS = ["peer", "state", "round", "digest", "reachability", "tokens/s", "steps/s",
+const PEER_HEADERS = ["peer", "state", "round", "digest", "reachability", "tokens/s", "steps/s", "last round",
   "steps done / planned", "loss", "all-reduce s", "last seen", "leaving"];
 
 function roundRow(r) {
