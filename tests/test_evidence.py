@@ -110,3 +110,12 @@ def test_a_framing_reducer_excludes_no_innocent_and_is_left_out_itself(tmp_path,
     for r in summary["rounds"]:
         hashes = r["global_params_sha256"]
         assert {"peer0", "peer1"} <= set(hashes) and hashes["peer0"] == hashes["peer1"], r
+
+
+def test_a_members_gathered_name_reaches_logs_without_control_characters():
+    from p2p_diloco.net.averaging.screening import sane_contribution
+
+    raw = dict(name="evil\x1b[2J\x1b]0;pwned\x07\u202e" + "x" * 200, round=3, digest="d", tokens=10)
+    name = sane_contribution(raw)["name"]
+    assert name.isprintable() and "\x1b" not in name and "\u202e" not in name and len(name) <= 64, repr(name)
+    assert sane_contribution(dict(raw, name="\x1b\x07"))["name"] == "?"

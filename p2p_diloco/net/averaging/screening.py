@@ -2,7 +2,7 @@
 
 From the all-gathered contributions (the same list on every member), every member derives the same:
   * ``sane_contribution``: a gathered record that is not a well-formed contribution counts as one with no tokens
-    (left out), instead of failing the round for everyone;
+    (left out), instead of failing the round for everyone; its name loses control characters (it is logged);
   * ``accused``: members that a strict majority of the *other* members name as suspects (they learned, from a
     reducer, that the member sent a malformed contribution) are left out, so one liar cannot exclude an honest member;
   * ``member_weights``: each participant's weight (its tokens, or 1), capped at ``max_weight_ratio`` × the median
@@ -19,6 +19,8 @@ import math
 from typing import Optional, Sequence
 
 import torch
+
+from p2p_diloco.net.records import clean_text
 
 
 MAX_ELECTORATE = 1 << 20  # a view of the run's size beyond this is not a view (not counted)
@@ -37,6 +39,7 @@ def sane_contribution(raw) -> dict:
         electorate = electorate if type(electorate) is int and 0 <= electorate <= MAX_ELECTORATE else 0
     except (KeyError, TypeError, ValueError, AttributeError):
         return dict(name="?", round=-1, digest="", tokens=0)
+    out["name"] = clean_text(out["name"]) or "?"  # a name reaches logs and terminals: no control characters
     return dict(out, steps_per_s=speed if math.isfinite(speed) and speed >= 0 else 0.0, suspects=suspects[:64],
                 electorate=electorate)
 
