@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Optional
 
 from common import demo_config
-from soak_report import count_restarts, count_rounds, parse_stat, parse_status, plan_faults, report
+from soak_report import (count_restarts, count_rounds, parse_stat, parse_status, plan_faults, report,
+                         summary_lines)
 
 from p2p_diloco.ops.metrics import read_jsonl
 from p2p_diloco.ops.procs import group_members
@@ -327,9 +328,7 @@ def main() -> None:
         lines = [json.loads(x) for x in f if x.strip()]
     rows, v, text = report(lines, args.warmup_min * 60, args.settle_s)
     with open(args.out, "a") as f:
-        for name, row in rows.items():
-            f.write(json.dumps({"kind": "summary", "peer": name, **row}) + "\n")
-        f.write(json.dumps({"kind": "verdict", **v}) + "\n")
+        f.writelines(summary_lines(rows, v))
     print(text)
 
 

@@ -83,10 +83,12 @@ def count_rounds(records: list[dict]) -> dict:
 
 
 def _steady(samples: list[dict], warmup_s: float, settle_s: float) -> list[dict]:
-    """Samples after warm-up of a live peer whose process is at least ``settle_s`` old and whose last fault is at
-    least ``settle_s`` ago: a process just restarted (or a stack just rebuilt) is still loading."""
-    return [s for s in samples if s["t_s"] >= warmup_s and s.get("alive")
-            and s["up_s"] >= settle_s and s.get("since_fault_s", 1e9) >= settle_s]
+    """Samples after warm-up of a live peer with all its processes up (its p2pd among them), whose process is at
+    least ``settle_s`` old and whose last fault is at least ``settle_s`` ago: a process just restarted (or a stack
+    just rebuilt) is still loading (on a loaded machine a restarted peer needs a minute or two for its helpers)."""
+    full = max((s["tree"]["procs"] for s in samples), default=0)  # its processes when all are up (a peer: 4)
+    return [s for s in samples if s["t_s"] >= warmup_s and s.get("alive") and s.get("p2pd")
+            and s["tree"]["procs"] == full and s["up_s"] >= settle_s and s.get("since_fault_s", 1e9) >= settle_s]
 
 
 def _median(values: list[float]) -> Optional[float]:
@@ -235,6 +237,9 @@ def fault_outcomes(lines: list[dict]) -> list[dict]:
                 row["outcome"].append(f"exited by itself ({x['exit_code']}) {x['since_fault_s']:.0f} s later")
             elif x["kind"] == "restart":
                 row["outcome"].append("restarted")
+                base = None  # a round the stopping process still committed does not count: the new one's do
+            elif x["kind"] == "sample" and base is None:
+                base = x.get("committed", 0)  # the new process's first sample: it needs a minute to start anyway
             elif x["kind"] == "sample" and x.get("committed", 0) > base and row["back_s"] is None:
                 row["back_s"] = round(x["t_s"] - t, 1)
         out.append(row)
@@ -276,13 +281,28 @@ def main() -> None:
     parser.add_argument("results", help="a results file of benchmarks/soak.py (JSON lines)")
     parser.add_argument("--warmup-min", type=float, default=None, help="warm-up (min); default: the file's")
     parser.add_argument("--settle-s", type=float, default=None, help="settling time (s); default: the file's")
+    parser.add_argument("--write", action="store_true", help="replace the file's summary and verdict lines with "
+                        "these (after a change to this report; the samples and events stay as measured)")
     args = parser.parse_args()
     with open(args.results) as f:
         lines = [json.loads(x) for x in f if x.strip()]
     head = next((x for x in lines if x.get("kind") == "config"), {})
     warmup = args.warmup_min if args.warmup_min is not None else head.get("warmup_min", 3.0)
     settle = args.settle_s if args.settle_s is not None else head.get("settle_s", 60.0)
-    print(report(lines, warmup * 60, settle)[2])
+    rows, v, text = report(lines, warmup * 60, settle)
+    print(text)
+    if args.write:
+        with open(args.results, "w") as f:
+            for line in lines:
+                if line.get("kind") not in ("summary", "verdict"):
+                    f.write(json.dumps(line) + "\n")
+            f.writelines(summary_lines(rows, v))
+
+
+def summary_lines(rows: dict[str, dict], v: dict) -> list[str]:
+    """The results file's last lines: one summary per peer, then the verdict."""
+    return [json.dumps({"kind": "summary", "peer": name, **row}) + "\n" for name, row in rows.items()] + [
+        json.dumps({"kind": "verdict", **v}) + "\n"]
 
 
 if __name__ == "__main__":

@@ -50,9 +50,9 @@ def test_proc_and_log_parsing():
 
 
 def sample(t, rss, fds, up=1000.0, since_fault=1e9, metrics=0, alive=True):
-    usage = {"rss_bytes": rss, "fds": fds, "threads": 20}
+    usage = {"rss_bytes": rss, "fds": fds, "threads": 20, "procs": 4}
     return {"kind": "sample", "peer": "peer0", "pid": 42, "t_s": t, "alive": alive, "up_s": up, "since_fault_s": since_fault,
-            "tree": usage, "main": dict(usage), "dir_bytes": 1000 + metrics, "dir_files": 3, "metrics_bytes": metrics,
+            "tree": usage, "main": dict(usage), "p2pd": 4343, "dir_bytes": 1000 + metrics, "dir_files": 3, "metrics_bytes": metrics,
             "checkpoint_bytes": 500, "log_bytes": 100, "restarted": 2, "restart_failed": 0, "tracebacks": 0,
             "never_retrieved": 0, "committed": 9, "attempted": 12}
 
@@ -116,13 +116,14 @@ def test_fault_outcomes_say_how_the_peer_stopped_and_when_it_committed_again():
     lines = [at(45, 7), {"kind": "fault", "t_s": 60, "fault": "term_restart", "peer": "peer1", "committed": 8},
              at(60.1, 8), at(60.2, 9, peer="peer2"),
              {"kind": "stopped", "t_s": 62, "peer": "peer1", "exit_code": 0, "after_s": 2.04},
-             {"kind": "restart", "t_s": 62, "peer": "peer1"}, at(75, 8), at(90, 8), at(105, 10),
+             {"kind": "restart", "t_s": 62, "peer": "peer1"}, at(75, 9), at(90, 9), at(105, 10),
              {"kind": "fault", "t_s": 120, "fault": "kill_p2pd", "peer": "peer1", "committed": 10}, at(135, 10),
              {"kind": "fault", "t_s": 180, "fault": "kill_dht", "peer": "peer1", "skipped": "no dht process (yet)",
               "committed": 10}, at(195, 10)]
     rows = fault_outcomes(lines)
     assert [(r["fault"], r["outcome"], r["back_s"]) for r in rows] == [
-        ("term_restart", ["exit 0 after 2.0 s", "restarted"], 45.0),  # not at 60.1 (8 was counted at the fault)
+        # not at 75: the stopping process committed round 9 (counted at the new one's first sample)
+        ("term_restart", ["exit 0 after 2.0 s", "restarted"], 45.0),
         ("kill_p2pd", [], None), ("kill_dht", [], None)]
     table = render_faults(rows).splitlines()
     assert table[2] == "| 1 | term_restart | peer1 | exit 0 after 2.0 s, restarted | 45 s |"
