@@ -175,6 +175,20 @@ def test_supervise_bootstrap_whose_p2pd_died_lets_a_new_peer_join(swarm):
           f"round {joined['round']} with the run {joined['time'] - started:.1f} s after its start")
 
 
+@pytest.mark.timeout(60)
+def test_supervise_restarted_peers_stop_on_sigterm(swarm):
+    """Before, a peer whose DHT process had died ignored SIGTERM; both peers here restarted their network stack."""
+    assert all(RESTARTED in swarm.log(name) for name in ("a", "b"))
+    for name in ("a", "b"):
+        os.kill(swarm.procs[name].pid, signal.SIGTERM)
+    begun = time.monotonic()
+    codes = {name: swarm.procs[name].wait(timeout=30) for name in ("a", "b")}
+    assert codes == {"a": 0, "b": 0}, {name: swarm.log(name)[-2000:] for name in codes}
+    assert time.monotonic() - begun < 15
+    wait_for(lambda: not any(group_members(swarm.procs[name].pid) for name in ("a", "b")), 10,
+             "their helper processes to end with them")
+
+
 # ---------------------------------------------------------------------------------------------- no processes
 def test_supervise_pins_the_ports_a_node_got():
     bound = ["/ip4/127.0.0.1/tcp/4001", "/ip4/10.0.0.2/tcp/4001", "/ip4/10.0.0.2/udp/4002/quic-v1"]
