@@ -127,6 +127,7 @@ class MemberGate:
         future = self._running_groups.get(group_id)
         if future is not None and not future.done():
             future.set_exception(error)
+            future.exception()  # retrieved: when no part waited, no "Future exception was never retrieved" in the log
 
     # ------------------------------------------------------------------------------------------------ RPCs
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
