@@ -37,11 +37,12 @@ SMALL = {"inner.batch_size": 2, "model.seq_len": 32, "data.eval_batches": 1, "di
 TIMES: dict[str, float] = {}  # what each stop took, printed at the end (pytest -s) for the record
 
 
-# each test's peer, its fault, and the peers started with it (two at a time beside the anchors: four peers at most)
-VICTIMS = {"v-start": None, "v-download": "hold:download:0", "v-inner": "hold:inner:0",
-           "v-match": "hold:matchmaking:0", "v-allreduce": "hold:allreduce:0", "v-twice": "hold:inner:0",
-           "v-stuck": "hold:inner:0"}
-WAVES = [("v-start", "v-download"), ("v-inner", "v-match"), ("v-allreduce", "v-twice"), ("v-stuck",)]
+# each test's peer and its flags, and the peers started with it (beside the anchors: four peers at most)
+VICTIMS = {"v-start": [], "v-download": ["--fault.inject=hold:download:0", "--run.join_after_round=1"],
+           "v-inner": ["--fault.inject=hold:inner:0"], "v-match": ["--fault.inject=hold:matchmaking:0"],
+           "v-allreduce": ["--fault.inject=hold:allreduce:0"], "v-twice": ["--fault.inject=hold:inner:0"],
+           "v-stuck": ["--fault.inject=hold:inner:0"]}
+WAVES = [("v-download", "v-inner"), ("v-start",), ("v-match", "v-allreduce"), ("v-twice", "v-stuck")]
 
 
 class Swarm:
@@ -54,6 +55,7 @@ class Swarm:
         self.local.start_bootstrap()
         for name in ("a0", "a1"):  # slowed down (sleeps between steps): they leave the CPU to the others
             self.local.start_peer(name, ["--run.expected_peers=2", "--fault.slowdown=3"])
+        self.victim(WAVES[0][0])  # the first wave starts with them (v-download joins once round 1 is committed)
         wait_for(lambda: committed(self.root / "a0") >= 1, 240, "the anchors' first round", self)
 
     def victim(self, name: str):
@@ -61,9 +63,7 @@ class Swarm:
         if name not in self.local.peers:
             for other in next(w for w in WAVES if name in w):
                 if other not in self.local.peers:
-                    fault = VICTIMS[other]
-                    self.local.start_peer(other, ["--run.expected_peers=1"]
-                                          + ([f"--fault.inject={fault}"] if fault else []))
+                    self.local.start_peer(other, ["--run.expected_peers=1", *VICTIMS[other]])
         return self.local.peers[name]
 
     def diagnose(self) -> str:
@@ -183,17 +183,6 @@ def test_stop_deadline_lets_a_checkpoint_write_finish_and_a_second_signal_does_n
 # ------------------------------------------------------------------------------------------------ the phases
 
 @pytest.mark.timeout(300)
-def test_stop_during_start_up_sigterm_to_the_group(swarm):
-    victim = swarm.victim("v-start")
-    wait_for(lambda: victim.log_path.exists() and victim.log_path.read_text().strip(), 200, "v-start's first line",
-             swarm)
-    _, code = stop_time(victim, signal.SIGTERM, group=True, label="start-up (TERM, group)")
-    log = victim.log_path.read_text()
-    assert code == 0, log[-3000:]
-    assert "stopped while starting" in log and "joined run" not in log, log[-3000:]
-
-
-@pytest.mark.timeout(300)
 def test_stop_during_state_download_sigterm_to_the_process(swarm):
     joiner = swarm.victim("v-download")
     wait_for(hold_of(joiner).exists, 200, "v-download's state download", swarm)
@@ -209,6 +198,17 @@ def test_stop_during_inner_steps_sigint_to_the_group(swarm):
     wait_for(hold_of(victim).exists, 200, "v-inner's inner steps", swarm)
     _, code = stop_time(victim, signal.SIGINT, group=True, release=hold_of(victim), label="inner steps (INT, group)")
     assert_clean(victim, code)
+
+
+@pytest.mark.timeout(300)
+def test_stop_during_start_up_sigterm_to_the_group(swarm):
+    victim = swarm.victim("v-start")
+    wait_for(lambda: victim.log_path.exists() and victim.log_path.read_text().strip(), 200, "v-start's first line",
+             swarm)
+    _, code = stop_time(victim, signal.SIGTERM, group=True, label="start-up (TERM, group)")
+    log = victim.log_path.read_text()
+    assert code == 0, log[-3000:]
+    assert "stopped while starting" in log and "joined run" not in log, log[-3000:]
 
 
 @pytest.mark.timeout(300)
