@@ -3,8 +3,9 @@
 From the all-gathered contributions (the same list on every member), every member derives the same:
   * ``sane_contribution``: a gathered record that is not a well-formed contribution counts as one with no tokens
     (left out), instead of failing the round for everyone; its name loses control characters (it is logged);
-  * ``accused``: members that a strict majority of the *other* members name as suspects (they learned, from a
-    reducer, that the member sent a malformed contribution) are left out, so one liar cannot exclude an honest member;
+  * ``accused``: members that a strict majority of the *other* members name as suspects (a reducer showed them a
+    malformed part the member signed, or accused someone without such evidence: evidence.py) are left out, so one
+    liar cannot exclude an honest member;
   * ``member_weights``: each participant's weight (its tokens, or 1), capped at ``max_weight_ratio`` × the median
     participant's weight; everyone else's weight is 0. Senders must put exactly this weight on the wire.
 
