@@ -112,6 +112,31 @@ class FailFast:
         super().__init__(*args, **kwargs)
         self._outer_pipe = GuardedPipe(self._outer_pipe, self)
 
+    # hivemind's calls without return_future wait for their answer with no deadline: here in slices, so that a
+    # node found dead ends the wait (start-up calls too, before any watchdog runs)
+    def run_coroutine(self, coro, return_future: bool = False):
+        future = super().run_coroutine(coro, return_future=True)
+        return future if return_future else self._answer(future)
+
+    def get(self, key, latest: bool = False, return_future: bool = False, **kwargs):
+        future = super().get(key, latest=latest, return_future=True, **kwargs)
+        return future if return_future else self._answer(future)
+
+    def store(self, key, value, expiration_time, subkey=None, return_future: bool = False, **kwargs):
+        future = super().store(key, value, expiration_time, subkey=subkey, return_future=True, **kwargs)
+        return future if return_future else self._answer(future)
+
+    def _answer(self, future):
+        while True:
+            try:
+                return future.result(timeout=CHECK_EVERY_S)
+            except TimeoutError:
+                if future.done():  # the call itself timed out
+                    raise
+                reason = self.down_reason()
+                if reason is not None:
+                    raise HelperDied(reason) from None
+
     def down_reason(self) -> Optional[str]:
         if self.down is not None:
             return self.down
