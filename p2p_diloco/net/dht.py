@@ -42,7 +42,7 @@ from p2p_diloco.net.records import valid_entries
 from p2p_diloco.net.security.records import PeerSignatureValidator, provide_identity
 from p2p_diloco.net.security.schema import RunRecordValidator
 from p2p_diloco.errors import JoinError
-from p2p_diloco.net.supervise import FailFast, HelperDied
+from p2p_diloco.net.failfast import FailFast, HelperDied
 from p2p_diloco.ops.procs import become_child_process, end_hard, subprocesses_die_with_us
 
 logger = logging.getLogger(__name__)

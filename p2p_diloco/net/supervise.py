@@ -10,8 +10,8 @@ reads (it blocks once the pipe is full) and waits for an answer that never comes
 * :class:`Watchdog`: a thread that checks every :data:`CHECK_EVERY_S` seconds that the processes exist (cheap: no
   message, ``/proc`` and ``waitpid``) and every :data:`PING_EVERY_S` seconds that the DHT process and its p2pd
   answer (one ``identify`` through the DHT's process). When one is gone it marks the stack down: every waiting DHT
-  call fails at once (net/dht.py's ``FailFast``), the averager is told (its waits end), and the peer's next check
-  restarts the stack.
+  call fails at once (net/failfast.py), the averager is told (its waits end), and the peer's next check restarts
+  the stack.
 * :class:`Supervisor`: :meth:`~Supervisor.ensure` between rounds (one call at the top of the round loop) restarts
   the stack through the caller's ``restart`` function, logging one line that says what died and what it did, and
   raises :class:`NetworkLost` (exit code 3, one line) after :data:`MAX_FAILED_RESTARTS` failed restarts in a row.
@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
-import weakref
 from typing import Callable, Optional, Sequence
 
 from p2p_diloco.errors import JoinError
+from p2p_diloco.net.failfast import HelperDied  # noqa: F401 - re-exported: what a call on a dead helper raises
 
 logger = logging.getLogger(__name__)
 
@@ -40,163 +39,11 @@ MAX_FAILED_RESTARTS = 5  # failed restarts in a row before the process gives up 
 STABLE_S = 60.0  # a stack that dies sooner than this after its restart counts as a failed restart
 
 
-class HelperDied(RuntimeError):
-    """A helper process of the network stack is gone: the call that needed it gets this at once."""
-
-
 class NetworkLost(JoinError):
     """The network stack could not be restarted: the process exits with :attr:`exit_code` and one line, so that
     its supervisor (systemd's ``Restart=on-failure``, a container's restart policy) starts it again."""
 
     exit_code = 3
-
-
-# ---------------------------------------------------------------------------------------------- fail fast
-class GuardedPipe:
-    """The host side of a hivemind helper's command pipe (the DHT's, the averager's): a call on a helper known dead
-    fails at once, and every call waiting for an answer (an MPFuture sent with it) fails as soon as the helper is
-    marked down (:meth:`fail_all`), whatever it waits with. ``owner.down_reason()`` says whether it is down."""
-
-    def __init__(self, pipe, owner):
-        self._pipe, self._owner = pipe, owner
-        self._waiting: weakref.WeakSet = weakref.WeakSet()
-
-    def send(self, message) -> None:
-        futures = _futures(message)
-        reason = self._owner.down_reason()
-        if reason is not None:
-            self._refuse(futures, reason)
-            return
-        self._waiting.update(futures)
-        try:
-            self._pipe.send(message)
-        except (OSError, ValueError) as e:  # the pipe was closed under us (the helper was marked down)
-            self._refuse(futures, self._owner.down_reason() or f"a helper process takes no calls ({e!r})")
-
-    @staticmethod
-    def _refuse(futures: list, reason: str) -> None:
-        for future in futures:  # a command that waits for nothing (a setting, a shutdown) is dropped
-            _fail(future, reason)
-
-    def fail_all(self, reason: str) -> None:
-        for future in list(self._waiting):
-            _fail(future, reason)
-
-    def __getattr__(self, name):
-        return getattr(self._pipe, name)
-
-
-def _futures(message) -> list:
-    """The futures a hivemind command carries: ``(method, args, kwargs)`` with MPFutures among the kwargs."""
-    if not (isinstance(message, tuple) and len(message) == 3 and isinstance(message[2], dict)):
-        return []
-    return [v for v in message[2].values() if hasattr(v, "set_exception") and hasattr(v, "done")]
-
-
-def _fail(future, reason: str) -> None:
-    if not future.done():
-        try:
-            future.set_exception(HelperDied(reason))
-        except Exception:  # noqa: BLE001 - it was answered meanwhile
-            pass
-
-
-class FailFast:
-    """Mixin for hivemind.DHT (net/dht.py): calls from the host process fail at once with :class:`HelperDied` once
-    :meth:`mark_down` was called or the DHT process is gone, instead of blocking on a pipe nobody reads."""
-
-    down: Optional[str] = None
-
-    def __init__(self, *args, **kwargs):
-        quiet_tracebacks()  # before the DHT process (and later the averager) is forked: they inherit it
-        super().__init__(*args, **kwargs)
-        self._outer_pipe = GuardedPipe(self._outer_pipe, self)
-
-    # hivemind's calls without return_future wait for their answer with no deadline: here in slices, so that a
-    # node found dead ends the wait (start-up calls too, before any watchdog runs)
-    def run_coroutine(self, coro, return_future: bool = False):
-        future = super().run_coroutine(coro, return_future=True)
-        return future if return_future else self._answer(future)
-
-    def get(self, key, latest: bool = False, return_future: bool = False, **kwargs):
-        future = super().get(key, latest=latest, return_future=True, **kwargs)
-        return future if return_future else self._answer(future)
-
-    def store(self, key, value, expiration_time, subkey=None, return_future: bool = False, **kwargs):
-        future = super().store(key, value, expiration_time, subkey=subkey, return_future=True, **kwargs)
-        return future if return_future else self._answer(future)
-
-    def _answer(self, future):
-        while True:
-            try:
-                return future.result(timeout=CHECK_EVERY_S)
-            except TimeoutError:
-                if future.done():  # the call itself timed out
-                    raise
-                reason = self.down_reason()
-                if reason is not None:
-                    raise HelperDied(reason) from None
-
-    def down_reason(self) -> Optional[str]:
-        if self.down is not None:
-            return self.down
-        if os.getpid() == self._parent_pid and self._popen is not None and self._popen.poll() is not None:
-            return f"the DHT process died ({exit_text(self.exitcode)})"
-        return None
-
-    def shutdown(self) -> None:
-        """hivemind's graceful shutdown, or a SIGKILL to a process whose node is down (it could only time out)."""
-        if self.down is not None and os.getpid() == self._parent_pid and self.is_alive():
-            self.kill()
-            self.join(5)
-            return
-        super().shutdown()
-
-    def mark_down(self, reason: str) -> None:
-        """Fail every call now and later; when the DHT process is dead, also stop any writer blocked on its pipe."""
-        self.down = self.down or reason
-        pipe = self._outer_pipe
-        if isinstance(pipe, GuardedPipe):
-            pipe.fail_all(self.down)
-        if os.getpid() == self._parent_pid and not self.is_alive():
-            # a writer blocked on the full pipe (nobody reads it now) goes on once the pipe is emptied: read it here
-            threading.Thread(target=_drain, args=(self._inner_pipe,), name="dht-pipe-drain", daemon=True).start()
-
-
-def _drain(pipe, quiet_s: float = 10.0) -> None:
-    """Read and drop what is written into a dead helper's pipe until nothing came for ``quiet_s`` s; then close it."""
-    try:
-        while pipe.poll(quiet_s):
-            pipe.recv_bytes()
-    except (OSError, EOFError):
-        pass
-    try:
-        pipe.close()
-    except OSError:
-        pass
-
-
-# hivemind logs an ordinary failed round ("could not find a group") and a pipe closed as its process ends with a full
-# traceback; our own WARN line already says what happened. These loggers keep their one line, without the traceback,
-# unless hivemind logs at DEBUG level.
-QUIET_LOGGERS = ("hivemind.averaging.averager", "hivemind.dht.dht")
-
-
-class _OneLine(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and not logging.getLogger("hivemind").isEnabledFor(logging.DEBUG):
-            error = record.exc_info[1]
-            if error is not None and type(error).__name__ not in record.getMessage():
-                record.msg, record.args = f"{record.getMessage()} ({type(error).__name__})", None
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
-def quiet_tracebacks() -> None:
-    for name in QUIET_LOGGERS:
-        target = logging.getLogger(name)
-        if not any(isinstance(f, _OneLine) for f in target.filters):
-            target.addFilter(_OneLine())
 
 
 def exit_text(code: Optional[int]) -> str:

@@ -21,7 +21,7 @@ from p2p_diloco.net.deadlines import DeadlineEstimator
 from p2p_diloco.net.averaging.wire import WireCodec, payload_bytes
 from p2p_diloco.net.averaging.contribution import AverageResult, Contribution
 from p2p_diloco.net.averaging.averager import CanonicalAverager
-from p2p_diloco.net.supervise import GuardedPipe, HelperDied
+from p2p_diloco.net.failfast import GuardedPipe, HelperDied
 from p2p_diloco.ops.faults import AVERAGER_PHASES
 
 
