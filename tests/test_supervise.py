@@ -239,3 +239,26 @@ class _IdleWatchdog:
 
     def stop(self):
         pass
+
+
+@pytest.mark.timeout(120)
+def test_supervise_a_node_started_again_with_its_key_file_keeps_its_id(tmp_path, process_tag):
+    """A service restarted in place (systemd, a container) starts with the key file its last run created: hivemind's
+    "is this id free" check read it as RSA and failed every such start of an Ed25519 identity (ours by default)."""
+    from dataclasses import replace
+
+    from p2p_diloco.config import load_config
+    from p2p_diloco.net.dht import start_dht, visible_maddrs
+
+    cfg = load_config(defaults={"network.host_maddrs": [LOOPBACK]}).network
+    boot = start_dht(cfg)
+    try:
+        node_cfg = replace(cfg, initial_peers=visible_maddrs(boot), identity_path=str(tmp_path / "node.key"))
+        first = start_dht(node_cfg)
+        first_id = first.peer_id
+        first.shutdown()
+        again = start_dht(node_cfg)  # the key file exists now
+        assert again.peer_id == first_id
+        again.shutdown()
+    finally:
+        boot.shutdown()

@@ -39,6 +39,7 @@ from p2p_diloco.config import ConfigError, NetworkConfig
 from p2p_diloco.net.security.auth import REVOKED_KEY, Access, bind_remote_peers
 from p2p_diloco.net.consensus import PeerStatus
 from p2p_diloco.net.records import valid_entries
+from p2p_diloco.net.security.identity import RSA
 from p2p_diloco.net.security.records import PeerSignatureValidator, provide_identity
 from p2p_diloco.net.security.schema import RunRecordValidator
 from p2p_diloco.errors import JoinError
@@ -166,7 +167,9 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
     _check_maddrs("network.trusted_relays", cfg.trusted_relays)
     restart = identity is not None  # a restart's identity is ours, and its old p2pd is dead: nothing to check
     identity, identity_file, check_identity, forget_file = provide_identity(cfg.identity_path, identity)
-    check_identity = check_identity and not restart
+    # hivemind 1.1.12 checks that the id is free by reading the key file as RSA: an Ed25519 key (ours by default)
+    # failed every start of a peer whose key file existed ("Could not deserialize key data", exit 2)
+    check_identity = check_identity and not restart and identity.key_type == RSA
     try:
         dht = _start(cfg, access, identity, identity_file, check_identity, client_mode, force_reachability, relays)
     finally:
