@@ -1,4 +1,4 @@
-"""What signing every part costs a sender (issue 24, finding 5; net/averaging/evidence.py), per round.
+"""What signing every part costs a sender (issue 24, finding 5; net/averaging/evidence.py), per round. Run:
 
     python benchmarks/signed_parts.py [--values N] [--peers N]
 
@@ -23,9 +23,9 @@ PART_BYTES = 2 ** 19  # averaging.part_size_bytes
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--values", type=int, default=460_000, help="model parameters (the tiny preset: about 0.46 M)")
-    p.add_argument("--peers", type=int, default=3)
+    p.add_argument("--peers", type=int, default=3, help="members of the group (default 3)")
     args = p.parse_args()
     torch.set_num_threads(1)
     identity, reducer = Identity.generate(), Identity.generate().peer_id

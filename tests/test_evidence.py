@@ -102,7 +102,13 @@ def test_a_framing_reducer_excludes_no_innocent_and_is_left_out_itself(tmp_path,
         committed = [r for r in rounds_ if r["committed"]]
         assert [r["round"] for r in committed] == list(range(1, rounds + 1)), f"{name}: {rounds_}\n{logs}"
         failed = [r for r in rounds_ if not r["committed"]]
-        assert failed and all("peer2 (" in r["error"] and "without" in r["error"] for r in failed), \
+        blamed = [r for r in failed if "peer2 (" in r["error"] and "without" in r["error"]]
+        # an attempt may also fail as lost parts of the framer's own share, when its refusal did not reach us
+        # before its stream ended; then nobody was judged, and the next attempt blames it
+        framer = next(p["peer_id"] for p in summary["peers"] if p["name"] == "peer2")
+        lost = [r for r in failed if "lost parts of reducer(s)" in r["error"] and framer in r["error"]
+                and all(p["peer_id"] not in r["error"] for p in summary["peers"] if p["name"] != "peer2")]
+        assert blamed and len(blamed) + len(lost) == len(failed), \
             f"{name} did not blame the framer: {[r['error'] for r in failed]}\n{logs}"
         for r in committed:
             if r["round"] >= 2:  # the innocent is never left out; the framer is

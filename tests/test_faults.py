@@ -16,24 +16,25 @@ SMALL = {"inner.batch_size": 4, "model.seq_len": 64, "data.eval_batches": 2, "av
          "averaging.next_chunk_timeout": 10.0, "averaging.roster_ttl": 10.0}
 
 
-def _run(tmp_path, peers, rounds, plan, inner_steps=20, **extra):
+def _run(tmp_path, peers, rounds, plan, inner_steps=20, min_drop=1.0, **extra):
     # rounds of ~3 s here: a joiner's process needs ~10 s to start on 2 busy cores, and must find the run going
     cfg = load_config(defaults={**DEMO_DEFAULTS, **SMALL, **extra})
     rc = run_swarm(peers, rounds, inner_steps, str(tmp_path), write_peer_config(tmp_path, cfg), plan=plan,
                    timeout=400, echo=lambda s: None)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert rc == 0, _diagnose(tmp_path, summary)
-    _assert_agreement_and_progress(summary, rounds)
+    _assert_agreement_and_progress(summary, rounds, min_drop)
     return summary
 
 
-def _assert_agreement_and_progress(summary, rounds):
+def _assert_agreement_and_progress(summary, rounds, min_drop=1.0):
     assert [r["round"] for r in summary["rounds"]] == list(range(1, rounds + 1)), "a round is missing"
     for r in summary["rounds"]:
         hashes = r["global_params_sha256"]
         assert len(hashes) >= 2, f"round {r['round']} committed by {sorted(hashes)} only"
         assert len(set(hashes.values())) == 1, f"round {r['round']}: peers disagree on θ_global: {hashes}"
-    assert summary["rounds"][-1]["eval_loss"] < summary["initial_eval_loss"] - 1.0, "the loss did not fall"
+    final, initial = summary["rounds"][-1]["eval_loss"], summary["initial_eval_loss"]
+    assert final < initial - min_drop, f"the loss did not fall: {initial:.3f} -> {final:.3f}"
 
 
 def _diagnose(tmp_path, summary) -> str:
@@ -110,17 +111,19 @@ def test_churn_over_ten_rounds_with_two_leaves_and_two_joins(tmp_path, process_t
 @pytest.mark.timeout(420)
 def test_peer_killed_during_a_background_allreduce_with_4_bits_and_error_feedback(tmp_path, process_tag):
     """Overlap: the all-reduce that makes round 2 runs while the next round trains, and is settled after 2 of its
-    inner steps (diloco.overlap_steps); peer2 dies in it. Both survivors fail that round (nothing committed, no
-    half-applied average), their inner steps went on meanwhile, and they agree on every round committed after."""
+    inner steps (diloco.overlap_steps); peer2 dies in it, as a reducer mid-serving. Nobody had every average, so
+    both survivors run that all-reduce again among themselves (averaging.survive_losses) while their next round
+    trains: no round fails, nothing half-applied, and they agree on every round."""
     plan = ChaosPlan(faults={"peer2": "kill:allreduce:2"})
-    summary = _run(tmp_path, peers=3, rounds=4, plan=plan, inner_steps=8, **{
+    # 4 rounds of 8 steps in 4 bits: the final eval loss was 4.11, 4.46 and 4.72 from 5.58 in three runs (how much
+    # of the next round trains before the settled average lands varies with load), so a drop of 0.5, not 1.0
+    summary = _run(tmp_path, peers=3, rounds=4, plan=plan, inner_steps=8, min_drop=0.5, **{
         "diloco.overlap": "delayed", "diloco.overlap_steps": 2, "averaging.codec": "int4",
         "averaging.error_feedback": True})
     assert [(e["peer"], e["phase"]) for e in _events(summary, "kill")] == [("peer2", "allreduce")]
     for name in ("peer0", "peer1"):
         rounds = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if r.get("event") == "round"]
-        failed = [r for r in rounds if not r["committed"]]
-        assert failed and failed[0]["round"] == 1 and failed[0]["train/tokens"] > 0, \
-            "the all-reduce of round 2 failed while the next round trained"
+        assert [r for r in rounds if not r["committed"]] == [], "a survivor failed a round"
+        assert "running it again among them" in (tmp_path / f"{name}.log").read_text()
         assert _committed(tmp_path, name) == [1, 2, 3, 4]
         assert all(r["outer/settled_after_steps"] == 2 for r in rounds if r["train/inner_steps"] > 2)
