@@ -252,13 +252,19 @@ def _slowdowns(text: Optional[str], peers: int) -> Optional[list[float]]:
     return factors
 
 
-def _cmd_status(args, overrides: dict[str, str]) -> int:
+def _client_config(command: str, args, overrides: dict[str, str]):
+    """The config of a DHT client of a live run (status, web): --initial-peers is required and checked."""
     if args.initial_peers:
         overrides = {"network.initial_peers": args.initial_peers, **overrides}
     cfg = load_config(args.config, overrides)
     if not cfg.network.initial_peers:
-        raise ConfigError("status: needs --initial-peers (the multiaddr of any live node of the run)")
+        raise ConfigError(f"{command}: needs --initial-peers (the multiaddr of any live node of the run)")
     preflight.check_network(cfg.network)
+    return cfg
+
+
+def _cmd_status(args, overrides: dict[str, str]) -> int:
+    cfg = _client_config("status", args, overrides)
     if args.watch is not None and args.watch <= 0:
         raise ConfigError(f"--watch: must be > 0, got {args.watch}")
     from p2p_diloco.ops.status import run_status
@@ -270,12 +276,7 @@ def _cmd_status(args, overrides: dict[str, str]) -> int:
 
 
 def _cmd_web(args, overrides: dict[str, str]) -> int:
-    if args.initial_peers:
-        overrides = {"network.initial_peers": args.initial_peers, **overrides}
-    cfg = load_config(args.config, overrides)
-    if not cfg.network.initial_peers:
-        raise ConfigError("web: needs --initial-peers (the multiaddr of any live node of the run)")
-    preflight.check_network(cfg.network)
+    cfg = _client_config("web", args, overrides)
     if not args.refresh > 0:
         raise ConfigError(f"--refresh: must be > 0, got {args.refresh}")
     from p2p_diloco.ops.web import run_web
