@@ -184,12 +184,12 @@ def run_all(specs: list[Spec], path: str | Path, shard: tuple[int, int] = (0, 1)
     result as it finishes; return all results of ``specs`` found in the file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    done = load_results(path)
-    todo = [s for s in specs if s.key() not in done]
-    for i, spec in enumerate(todo):
+    # Shards split ``specs`` by position, not the runs missing when a process started: processes started at different
+    # moments see different missing runs, and splitting those let two of them pick the same run.
+    for i, spec in enumerate(specs):
         if i % shard[1] != shard[0]:
             continue
-        if spec.key() in load_results(path):  # another shard may have run it meanwhile
+        if spec.key() in load_results(path):  # done before, or by another shard meanwhile
             continue
         result = run(spec)
         _append_line(path, json.dumps(result))
