@@ -262,6 +262,13 @@ class RunConfig:
     run_id: str = _f("p2p-diloco", "name shared by all peers of one training run (peers of other runs ignore it)",
                      shared=True)
     name: Optional[str] = _f(None, "this peer's name in logs and metrics; None: hostname-pid")
+    spec_hash: Optional[str] = _f(None, "the run's spec hash (16 hex characters, printed by its first peer: 'run "
+                                  "spec ...'): join only the run whose published settings hash to it, adopting them "
+                                  "whatever other DHT nodes publish; None: adopt what most peers publish, except "
+                                  "local paths, model.init_from, weaker defences and values above the limits of "
+                                  "net/run_settings.py",
+                                  check=lambda h: len(h) == 16 and not h.strip("0123456789abcdef"),
+                                  rule="must be 16 lowercase hex characters (the run's log: 'run spec ...')")
     run_dir: str = _f("runs/default", "folder for metrics.jsonl and checkpoints of this peer")
     rounds: Optional[int] = _f(None, "rounds (outer steps) to train; None: until stopped", "rounds",
                                _positive, "must be > 0", shared=True)
