@@ -32,13 +32,15 @@ def join_swarm(peer) -> None:
     from p2p_diloco.net import nat
     from p2p_diloco.net.dht import run_prefix, visible_maddrs
     from p2p_diloco.net.membership import Membership
+    from p2p_diloco.net.run_settings import run_fingerprint
 
     cfg = peer.cfg
     peer.dht, choice, peer.relay_issue = nat.decide(cfg.network, peer._probe, payload_bytes(peer))
     peer.log.info(f"reachability: {choice.reason}; taking part as {choice.mode}")
-    prefix = run_prefix(cfg.run.run_id, peer.fingerprint)
+    fingerprint = run_fingerprint(peer.fingerprint, cfg)  # the whole run spec too: other settings never average
+    prefix = run_prefix(cfg.run.run_id, fingerprint)
     peer.averager = _averager(peer, prefix, choice.mode, access(peer))
-    peer.membership = Membership(cfg, peer.dht, peer.averager, prefix, peer.name, peer.state, peer.fingerprint,
+    peer.membership = Membership(cfg, peer.dht, peer.averager, prefix, peer.name, peer.state, fingerprint,
                                  peer.metrics, peer.stop_event, peer.log, reachability=choice.mode)
     maddrs = visible_maddrs(peer.dht)
     (peer.run_dir / "maddrs.txt").write_text("\n".join(maddrs) + "\n")
@@ -107,7 +109,7 @@ def rejoin(peer):
     if old.error_feedback is not None and peer.averager.error_feedback is not None:
         peer.averager.error_feedback.load_state_dict(old.error_feedback.state_dict())  # not lost with the process
     peer.membership = Membership(peer.cfg, peer.dht, peer.averager, members.prefix, peer.name, peer.state,
-                                 peer.fingerprint, peer.metrics, peer.stop_event, peer.log,
+                                 members.fingerprint, peer.metrics, peer.stop_event, peer.log,
                                  reachability=members.reachability)
     peer.membership.work = members.work
     (peer.run_dir / "maddrs.txt").write_text("\n".join(visible_maddrs(peer.dht)) + "\n")
