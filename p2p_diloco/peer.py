@@ -184,6 +184,8 @@ class Peer:
             settled = self.exchange.settle()  # overlap: the last round's all-reduce, committed now if good
             live = self._live_roster()  # one read: did the run move on while we trained, and the group to expect
             self._catch_up(live)  # if so, rebase onto it now: our work still enters this round
+            if self._last_round_held() and settled is None:
+                break  # caught up to the run's last round just now: no round is left to contribute to
             caught_up = time.perf_counter()
             self.exchange.start(live)  # this round's contribution goes out
             if not self.exchange.overlapped:
@@ -234,9 +236,12 @@ class Peer:
         rounds = self.cfg.run.rounds
         if rounds is not None and self.round + self.exchange.in_flight >= rounds:
             self._drain()  # overlap: the last round's all-reduce; if it fails, one more round goes out
-        if rounds is not None and self.round >= rounds:
+        if self._last_round_held():
             return True
         return self.membership is not None and self.membership.run_is_over(roster)
+
+    def _last_round_held(self) -> bool:
+        return self.cfg.run.rounds is not None and self.round >= self.cfg.run.rounds
 
     def _live_roster(self) -> list:
         return self.membership.live_roster() if self.membership else []

@@ -168,3 +168,22 @@ def test_a_lone_peer_ahead_is_followed_when_nobody_contradicts_it():
     assert (target.round, target.donors) == (100, ["id-veteran"])
     target = sync_target(_s("a", 4, "x"), [_s("b", 5, "y")])  # the other member committed, we did not
     assert target.round == 5
+
+
+def test_the_run_is_over_for_stragglers_once_finishers_outnumber_them():
+    """16 peers, run.rounds 4: 12 committed round 4 and left, 4 missed it. Committing their own round 4 among
+    themselves would fork the run's last θ_global: they stop."""
+    from p2p_diloco.net.consensus import finished_without
+
+    finishers = [_s(f"f{i:02d}", 4, "x", leaving=True) for i in range(12)]
+    stragglers = [_s(f"s{i}", 3, "w") for i in range(3)]
+    assert finished_without(4, finishers + stragglers, []) == [f"f{i:02d}" for i in range(12)]
+    # the entries of some finishers expired: the finished list still names them
+    assert len(finished_without(4, finishers[:2] + stragglers, [(f"f{i:02d}", 4) for i in range(12)])) == 12
+    # one finisher (or a stranger's entry) does not stop a run that more peers still train
+    assert finished_without(4, finishers[:1] + stragglers, []) == []
+    assert finished_without(4, stragglers, [("evil", 4)]) == []
+    # peers that left before the end are not finishers; once every other peer left, one finisher is enough
+    assert finished_without(4, [_s("early", 2, "v", leaving=True)], []) == []
+    assert finished_without(4, [_s("early", 2, "v", leaving=True), finishers[0]], []) == ["f00"]
+    assert finished_without(4, [], [("f00", 4)]) == ["f00"]

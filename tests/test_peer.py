@@ -470,3 +470,21 @@ def test_overlap_rebase_keeps_the_work_owed_and_sends_it_next(tmp_path):
         torch.testing.assert_close(s, o - l0, rtol=0, atol=1e-6)  # the next contribution: all of it
     assert peer.round == 2 and peer.tokens_since_commit == 3 * 2 * 32
     peer.close()
+
+
+def test_a_peer_that_catches_up_to_the_last_round_contributes_no_round_after_it(tmp_path):
+    """A straggler that downloads the run's last θ_global after its inner steps stops there: a contribution to a
+    round past ``run.rounds`` finds no group (every other peer has finished) and only fails."""
+    peer, fake = _peer(tmp_path, ["ok"], rounds=2)
+    catch_ups = []
+
+    def catch_up(live):  # the second catch-up of round 2 finds the run at its last round (a state download)
+        catch_ups.append(peer.round)
+        if len(catch_ups) == 4:
+            peer.state.round = 2
+
+    peer._catch_up = catch_up
+    peer.run()
+    assert peer.round == 2 and len(catch_ups) == 4
+    assert [c.round for c, _, _ in fake.calls] == [0], "no contribution after catching up to the last round"
+    peer.close()

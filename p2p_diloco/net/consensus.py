@@ -133,6 +133,25 @@ def designated_leader(me: PeerStatus, live: Sequence[PeerStatus]) -> str:
     return min(ids) if ids else ""
 
 
+def finished_without(rounds: int, others: Sequence[PeerStatus], recorded: Sequence[tuple[str, int]]) -> list[str]:
+    """The peers that finished the run (left after committing ``rounds``), by name, if the run is over for a peer
+    that has not; else []. ``others``: the roster without this peer; ``recorded``: (name, round) of peers that left
+    (their roster entries may have expired).
+
+    The run is over when every other peer has left after the last round, and also when the peers that finished
+    it outnumber the ones still training (this peer included): those missed the last round(s), and the run's final
+    θ_global is the one the finishers committed. Committing their own last round would fork it (a group that meets
+    after the others left sees only its own members, and once it forgets the run's size it finds a quorum among
+    them); the finishers stopped serving their state, so the stragglers stop too, saying so. One finished entry
+    cannot stop a run of more peers alone."""
+    finished = sorted({s.name for s in others if s.leaving and s.round >= rounds}
+                      | {name for name, round_ in recorded if round_ >= rounds})
+    training = len({s.peer_id for s in others if not s.leaving}) + 1
+    if finished and (training == 1 or len(finished) > training):
+        return finished
+    return []
+
+
 FORGET_AFTER = 3  # attempts without quorum in a row after which a peer forgets the run's size it remembered
 
 

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from p2p_diloco.config import Config, ConfigError, shared_settings
-from p2p_diloco.net.consensus import PeerStatus, SyncTarget, majority_state, sync_target
+from p2p_diloco.net.consensus import PeerStatus, SyncTarget, finished_without, majority_state, sync_target
 from p2p_diloco.net.dht import (publish_finished, publish_run_index, publish_run_settings, publish_status,
                                 read_finished, read_roster, reconnect, redial)
 from p2p_diloco.net.security import schema
@@ -201,20 +201,22 @@ class Membership:
                                                                      f"weights and will stop" if differ else ""))
 
     def run_is_over(self, roster: list[PeerStatus]) -> bool:
-        """True if every other peer has left the run after training all of ``run.rounds``: nobody is left to
-        average with, and the run's result exists elsewhere (a lone peer otherwise keeps training and waits)."""
+        """True if the run finished without us (:func:`consensus.finished_without`): every other peer left after
+        training all of ``run.rounds``, or more of them did than are still training. The finished list is read
+        from the DHT only when the roster shows a peer that left after the last round, or no peer training."""
         rounds = self.cfg.run.rounds
         if rounds is None:
             return False
         others = [s for s in roster if s.peer_id != self.peer_id]
-        if not all(s.leaving for s in others):
+        if any(not s.leaving for s in others) and not any(s.leaving and s.round >= rounds for s in others):
             return False
         # those that left after the last round: in the roster, or (entries expired) in the finished list
         recorded = read_finished(self.dht, self.prefix, self.cfg.averaging.request_timeout)
-        finished = sorted({s.name for s in others if s.round >= rounds} | {n for n, r in recorded if r >= rounds})
+        finished = finished_without(rounds, others, recorded)
         if finished:
-            self.log.warning(f"the run finished without us: {', '.join(finished)} left after round {rounds}; "
-                             f"stopping at round {self.state.round}")
+            self.log.warning(f"the run finished without us: {len(finished)} peer(s) ({', '.join(finished[:8])}"
+                             f"{', …' if len(finished) > 8 else ''}) left after round {rounds}; stopping at round "
+                             f"{self.state.round}")
             return True
         return False
 
