@@ -348,8 +348,10 @@ class FaultConfig:
                                "1000 x its tokens), flip (its pseudo-gradient x -1000), random (a random direction at "
                                "1000 x its norm), stale (the pseudo-gradient of 5 rounds ago), equivocate (as a "
                                "reducer, different averaged bytes to different peers), frame (as a reducer, refuse another "
-                               "member's well-formed part as malformed); None: an honest member",
-                               choices=("nan", "shape", "weight", "flip", "random", "stale", "equivocate", "frame"))
+                               "member's well-formed part as malformed), skew_reduce (as a reducer, serve everyone "
+                               "-10 x the true average); None: an honest member",
+                               choices=("nan", "shape", "weight", "flip", "random", "stale", "equivocate", "frame",
+                                        "skew_reduce"))
     attack_from: int = _f(1, "the first round fault.attack strikes in", "round", _positive, "must be > 0")
 
 

@@ -85,6 +85,7 @@ def parse_fault(text: Optional[str], main_pid: Optional[int] = None, hold_path: 
 
 ATTACK_SCALE = 1000.0  # weight, flip and random: how much larger than honest
 STALE_ROUNDS = 5  # stale: the pseudo-gradient of this many rounds ago
+SKEW = -10.0  # skew_reduce: the average a reducer serves, sign flipped and ten times larger
 
 
 @dataclass
@@ -92,7 +93,8 @@ class Attack:
     """``fault.attack``: from round ``start`` on, this member puts a bad contribution through the normal all-reduce
     (security tests, benchmarks/robust.py). It acts in the averager's process: ``on_tensors`` on its buffers before
     they are cut into parts (nan, flip, random, stale), ``on_wire`` on each message to another reducer (shape,
-    weight). ``equivocate`` and ``frame`` act as a reducer (net/averaging/allreduce.py) and are not handled here."""
+    weight). ``equivocate`` and ``frame`` act as a reducer (net/averaging/attacks.py) and are not handled here;
+    ``skew_reduce``, as a reducer, sends everyone the same wrong average of its parts (``on_average``)."""
     mode: str
     start: int
     history: list = field(default_factory=list)  # stale: our honest pseudo-gradients of the last rounds, newest last
@@ -122,6 +124,10 @@ class Attack:
         elif self.mode == "stale":  # the oldest we kept: STALE_ROUNDS rounds ago once that many have passed
             for t, old in zip(tensors, self.history[0]):
                 t.copy_(old)
+
+    def on_average(self, averaged):
+        """skew_reduce: the average a reducer serves for a part, finite and wrong (× SKEW); else unchanged."""
+        return averaged * SKEW if self.mode == "skew_reduce" else averaged
 
     def on_wire(self, msg) -> None:
         """A message carrying one of our parts to another reducer (hivemind's AveragingData)."""
