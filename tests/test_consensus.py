@@ -187,3 +187,24 @@ def test_the_run_is_over_for_stragglers_once_finishers_outnumber_them():
     assert finished_without(4, [_s("early", 2, "v", leaving=True)], []) == []
     assert finished_without(4, [_s("early", 2, "v", leaving=True), finishers[0]], []) == ["f00"]
     assert finished_without(4, [], [("f00", 4)]) == ["f00"]
+
+
+def test_the_first_member_back_from_a_commit_names_the_same_leader_as_the_rest():
+    """16 peers on a loaded machine: two members read the roster just after committing round 2, when most entries
+    still showed round 1; each named itself the leader of round 3 and gathered a group nobody joined."""
+    from p2p_diloco.net.consensus import designated_leader, with_my_group
+
+    group = [_s(f"p{i:02d}", 1, "old") for i in range(16)]
+    me = _s("p12", 2, "new")
+    roster = [s for s in group if s.name != "p12"]
+    roster[3] = _s("p03", 2, "new")  # one entry is fresh already
+    assert designated_leader(me, roster) == "id-p03"  # as read: p03 and p12 alone at round 2
+    seen = with_my_group(me, roster, (2, frozenset(s.name for s in group)))
+    assert designated_leader(me, seen) == "id-p00"  # as the members that read the roster later name it
+    assert electorate(me, seen) == 16
+    # not for another round, not for peers outside our group, and not for an entry that is elsewhere
+    assert with_my_group(me, roster, (1, frozenset(s.name for s in group))) == roster
+    outsider = _s("late", 1, "old")
+    assert with_my_group(me, [outsider], (2, frozenset(s.name for s in group))) == [outsider]
+    behind = _s("p05", 0, "older")
+    assert with_my_group(me, [behind], (2, frozenset(s.name for s in group))) == [behind]

@@ -7,7 +7,7 @@ from the DHT) and so reaches the same verdict without further messages.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 
@@ -120,6 +120,20 @@ def has_quorum(holders: int, views: Sequence[int]) -> bool:
     missing from most members' views (a DHT partition) is the case it does not cover."""
     size = quorum_size(views)
     return size == 0 or 2 * holders > size
+
+
+def with_my_group(me: PeerStatus, live: Sequence[PeerStatus], group: tuple[int, frozenset]) -> list[PeerStatus]:
+    """``live`` with the members of the group ``me`` last committed with read as holding our θ_global: ``group`` is
+    (the round it committed, its members' names). Right after a commit, the roster still shows the other members at
+    the round before until their new entries reach us (seconds, under load); read as they are, the first member to
+    look sees itself nearly alone at the new round, names itself the leader and gathers a group nobody joins,
+    while the rest follow the real leader. Only members of our own group are read so, only for the round it
+    committed, and a member's entry that moved on is left as it is."""
+    round_, names = group
+    if round_ != me.round or not names:
+        return list(live)
+    return [replace(s, round=me.round, digest=me.digest) if s.round == me.round - 1 and s.name in names else s
+            for s in live]
 
 
 def designated_leader(me: PeerStatus, live: Sequence[PeerStatus]) -> str:

@@ -63,6 +63,7 @@ class Exchange:
         self.peers = max(1, peer.cfg.run.expected_peers)  # the group we expect (eager's share before any commit)
         self.run_size = consensus.RunSize(floor=peer.cfg.run.expected_peers)  # the quorum's floor (net/consensus.py)
         self.announced_speed = 0.0  # the inner-step speed we announced with our last contribution (DyLU)
+        self.last_group: tuple[int, frozenset] = (0, frozenset())  # (round, member names) of our last commit
         self._live_modes: list[str] = []  # the live peers' reachability when it started (explanations)
         self.settle_after = peer.cfg.diloco.overlap_steps if self.overlap is not None else 0  # τ; 0: round's end
         self._early: Optional[Settled] = None  # settled after τ steps, returned by the round-end settle()
@@ -106,6 +107,7 @@ class Exchange:
             arrived = result.ok and self._commit(result, pending.contribution.tokens)
             if arrived:
                 self.run_size.committed(result.group_size)
+                self.last_group = (self.peer.round, frozenset(result.peers))
             elif result.error and "NoQuorum" in result.error:
                 self.run_size.no_quorum()
             settled = Settled(result, arrived, pending.waited, time.perf_counter())
@@ -137,6 +139,7 @@ class Exchange:
         electorate, lead = 0, True  # outside a swarm (tests): no quorum rule, hivemind's own matchmaking
         if peer.membership is not None:
             me = peer.membership.status()
+            live = consensus.with_my_group(me, live, self.last_group)  # entries our commit has not reached yet
             electorate = self.run_size.electorate(consensus.electorate(me, live))
             lead = consensus.designated_leader(me, live) == me.peer_id
         contribution = Contribution(name=peer.name, round=peer.round, digest=peer.state.digest,
