@@ -102,12 +102,14 @@ def rejoin(peer):
     members.stop()  # no leave announced: we are coming back under the same peer id
     old.abandon("the network stack is restarting")
     old.close()
+    residual = old.error_feedback.state_dict() if old.error_feedback is not None else None
+    old.release()  # its shared buffers, before the new helpers are forked: they would hold them for good
     if peer.dht.is_alive():
         peer.dht.shutdown()
     peer.dht = peer.dht.relaunch(pinned_maddrs(peer.cfg.network.host_maddrs, peer.supervisor.watch.bound))
     peer.averager = _averager(peer, members.prefix, members.reachability, old.access)
-    if old.error_feedback is not None and peer.averager.error_feedback is not None:
-        peer.averager.error_feedback.load_state_dict(old.error_feedback.state_dict())  # not lost with the process
+    if residual is not None and peer.averager.error_feedback is not None:
+        peer.averager.error_feedback.load_state_dict(residual)  # not lost with the process
     peer.membership = Membership(peer.cfg, peer.dht, peer.averager, members.prefix, peer.name, peer.state,
                                  members.fingerprint, peer.metrics, peer.stop_event, peer.log,
                                  reachability=members.reachability)

@@ -49,6 +49,7 @@ from p2p_diloco.net.averaging.screening import accused, member_weights, sane_con
 from p2p_diloco.net.averaging.reducer_checks import capped_fractions, sane_bandwidths
 from p2p_diloco.net.averaging.verify import PartVerifier
 from p2p_diloco.net.averaging.survive import Survivor
+from p2p_diloco.net.averaging.state_pipe import StatePipe, send_tensors, tensor_specs
 from p2p_diloco.errors import first_line
 from p2p_diloco.net.averaging.wire import WireCodec
 from p2p_diloco.ops.procs import become_child_process, end_hard
@@ -97,10 +98,13 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
         self._signer = _identity_of(args[1] if len(args) > 1 else kwargs.get("dht"))  # signs our parts
         self._survive, self._reduced = survive_losses, False
         self.state_provider = None  # set in the host process: () -> (metadata dict, tensors)
+        self._state_pipe, self._state_lock = StatePipe(), None  # what we serve, from the host (state_pipe.py)
         super().__init__(*args, compression=codec, **kwargs)
+        self._state_pipe.in_host(self._state_for_pipe)
 
     def run(self):
         become_child_process()
+        self._state_pipe.in_child()
         super().run()
 
     def terminate(self) -> None:
@@ -254,10 +258,23 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
 
     # ------------------------------------------------------------------------------------------ state for joiners
     def get_current_state(self):
-        """Runs in the host process (hivemind's state thread): a consistent snapshot of θ_global and momentum."""
+        """Runs in the host process (the state pipe's thread): a consistent snapshot of θ_global and momentum."""
         if self.state_provider is None:
             raise RuntimeError("no state to serve yet")
         metadata, tensors = self.state_provider()
+        return metadata, tensors, None
+
+    def _state_for_pipe(self) -> tuple[bytes, list]:
+        metadata, tensors, _ = self.get_current_state()
+        return self.serializer.dumps(metadata), tensors
+
+    async def _get_current_state_from_host_process(self):
+        """In this process, for rpc_download_state: the host's snapshot through our own pipe, not hivemind's
+        MPFuture, whose shared-memory copies outlived every transfer (state_pipe.py)."""
+        if self._state_lock is None:
+            self._state_lock = asyncio.Lock()
+        async with self._state_lock:
+            metadata, tensors = await asyncio.get_event_loop().run_in_executor(None, self._state_pipe.fetch)
         return metadata, tensors, None
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
@@ -269,8 +286,10 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
             if self._fault is not None and served == 1 and self._fault.phase == "serving":
                 self._fault.strike()  # armed from the round it names on: see Averager.serve_state
 
-    async def _download_state(self, future, donors: list, timeout: float):
-        """Try ``donors`` (base58 peer ids) in order; resolve ``future`` with (metadata, tensors, donor) or None."""
+    async def _download_state(self, future, donors: list, timeout: float, sink=None):
+        """Try ``donors`` (base58 peer ids) in order; resolve ``future`` with (metadata, tensor specs, donor) and
+        write the tensors into ``sink`` (a pipe's end: no shared memory left behind, state_pipe.py), or resolve it
+        with None."""
         try:
             for donor in donors:
                 try:
@@ -279,13 +298,20 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
                     logger.warning(f"state download from {donor} failed: {e!r}")
                     continue
                 if result is not None:
-                    future.set_result((*result, donor))
+                    metadata, tensors = result
+                    future.set_result((metadata, tensor_specs(tensors), donor))
+                    del result
+                    await asyncio.get_event_loop().run_in_executor(None, send_tensors, sink, tensors)
                     return
             future.set_result(None)
         except BaseException as e:
             if not future.done():
                 future.set_exception(e)
-            raise
+            elif not isinstance(e, (OSError, EOFError)):  # the host stopped reading: nothing more to tell it
+                raise
+        finally:
+            if sink is not None:
+                sink.close()
 
     async def _download_from(self, donor):
         stub = self.get_stub(self._p2p, donor, namespace=self.prefix)

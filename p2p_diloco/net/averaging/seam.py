@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing as mp
 import time
 from dataclasses import asdict, replace
 from typing import Iterator, Optional, Sequence
@@ -21,6 +22,7 @@ from p2p_diloco.net.deadlines import DeadlineEstimator
 from p2p_diloco.net.averaging.wire import WireCodec, payload_bytes
 from p2p_diloco.net.averaging.contribution import AverageResult, Contribution
 from p2p_diloco.net.averaging.averager import CanonicalAverager
+from p2p_diloco.net.averaging.state_pipe import receive_tensors
 from p2p_diloco.net.failfast import GuardedPipe, HelperDied
 from p2p_diloco.ops.faults import AVERAGER_PHASES
 
@@ -50,8 +52,8 @@ class Averager:
         buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
         # error feedback's pending residual is written by the averager's process: allocate it (shared) before the fork
         self.error_feedback = ErrorFeedback(shapes) if cfg.error_feedback else None
-        codec = WireCodec(cfg.codec, cfg.part_size_bytes,
-                          residuals=self.error_feedback.pending if self.error_feedback else None)
+        codec = self._codec = WireCodec(cfg.codec, cfg.part_size_bytes,
+                                        residuals=self.error_feedback.pending if self.error_feedback else None)
         self._averager = CanonicalAverager(
             buffers, dht, start=True, prefix=prefix, codec=codec, min_participants=cfg.min_group_size,
             average_codec=WireCodec(cfg.average_codec or cfg.codec, cfg.part_size_bytes),
@@ -199,14 +201,21 @@ class Averager:
         donors = list(donors)[: self.cfg.state_attempts]
         if not donors or self.down_reason() is not None:
             return None
-        future = MPFuture()
-        self._averager._outer_pipe.send(("_download_state", [], dict(future=future, donors=donors,
+        future, (reader, sink) = MPFuture(), mp.Pipe(duplex=False)  # the tensors come through the pipe (state_pipe.py)
+        self._averager._outer_pipe.send(("_download_state", [], dict(future=future, donors=donors, sink=sink,
                                                                        timeout=self.cfg.state_timeout)))
+        sink.close()  # the averager's process holds the only writing end now: its death reads as EOF
         try:
-            return future.result(timeout=self.cfg.state_timeout * len(donors) + 10)
+            got = future.result(timeout=self.cfg.state_timeout * len(donors) + 10)
+            if got is None:
+                return None
+            metadata, specs, donor = got
+            return metadata, receive_tensors(reader, specs, self.cfg.state_timeout), donor
         except Exception as e:
             logger.warning(f"state download failed: {_one_line(e)}")
             return None
+        finally:
+            reader.close()
 
     def _proof(self) -> str:
         return self.access.keys.proof(self._averager.peer_id.to_bytes()).hex() if self.access else ""
@@ -266,6 +275,17 @@ class Averager:
                 self._averager.join(5)
             else:
                 self._averager.shutdown()
+
+    def release(self) -> None:
+        """After :meth:`close`, before a new network stack is forked (net/joining.py rejoin): drop this averager's
+        shared buffers (the averaging tensors, error feedback's pending residual). Helper processes forked while
+        they are alive inherit their /dev/shm descriptors and keep them for life: one model copy per restart
+        (benchmarks/soak.md). The object is unusable afterwards."""
+        self._averager._averaged_tensors = ()
+        self._averager._state_pipe.close()
+        self._codec.residuals = None
+        if self.error_feedback is not None:
+            self.error_feedback.pending = []
 
 
 class PendingAverage:
