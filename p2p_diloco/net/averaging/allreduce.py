@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
@@ -31,7 +30,9 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor
 
 from p2p_diloco.net.averaging.aggregators import Aggregator
-from p2p_diloco.net.averaging.evidence import Accusation, judge, part_statement
+from p2p_diloco.net.averaging.attest import Attesting, unseal
+from p2p_diloco.net.averaging.attacks import ReducerAttacks
+from p2p_diloco.net.averaging.evidence import Accusation, judge
 from p2p_diloco.net.averaging.screening import part_problem
 from p2p_diloco.net.averaging.verify import ReducerDigests, part_digest
 from p2p_diloco.net.averaging.wire import WireCodec, decode_part
@@ -39,7 +40,7 @@ from p2p_diloco.net.averaging.wire import WireCodec, decode_part
 logger = logging.getLogger(__name__)
 
 
-class CanonicalAllReduceRunner(AllReduceRunner):
+class CanonicalAllReduceRunner(Attesting, ReducerAttacks, AllReduceRunner):
     """Butterfly all-reduce whose reducers stream the encoded average itself; any lost part fails the whole run."""
 
     def __init__(self, *, average_codec: WireCodec, fault=None, weights=None, aggregator: Aggregator = Aggregator(),
@@ -52,6 +53,7 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         self.weights = dict(zip(self.ordered_peer_ids, weights)) if weights is not None else None
         self.attack = attack  # faults.Attack acting on what we send (tests): shape, weight
         self.malformed: dict = {}  # PeerID -> why its contribution was refused (by us, or by a reducer that told us)
+        self.aggregator = aggregator
         if aggregator.holds_parts:
             self.tensor_part_reducer = HoldingPartReducer(self.tensor_part_reducer.part_shapes,
                                                           len(self.sender_peer_ids), aggregator)
@@ -71,10 +73,13 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         # the part shapes each reducer screens against, the same on every member: to judge a refusal's evidence
         self._part_shapes = [tuple(part.shape for part, _ in parts)
                              for parts in self.tensor_part_container._input_parts_by_peer]
+        self._init_attesting()  # signed part summaries; averages checked against them (attest.py)
 
     async def _encode_average(self, part_index: int, averaged: torch.Tensor):
         """Encode the average of one of our parts once; every recipient (us included) gets these same bytes."""
         if part_index not in self._encoded_averages:
+            if self.attack is not None:
+                averaged = self.attack.on_average(averaged)  # fault.attack=skew_reduce: a wrong average (tests)
             self._encoded_averages[part_index] = asyncio.get_event_loop().run_in_executor(
                 None, self.average_codec.compress, averaged, self._own_infos[part_index])
         return await self._encoded_averages[part_index]
@@ -97,7 +102,8 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             return averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
         peer, why = next(iter(self.malformed.items()))
         part_index, msg = self.evidence.get(peer, (-1, averaging_pb2.AveragingData()))
-        accusation = Accusation(why, part_index, msg.peer_id)
+        signature, summary, key = unseal(msg.peer_id) or (b"", b"", b"")
+        accusation = Accusation(why, part_index, signature, key, summary)
         return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION, peer_id=peer.to_bytes(),
                                            group_id=accusation.encode(), tensor_part=msg.tensor_part,
                                            weight=msg.weight)
@@ -138,21 +144,23 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         loop = asyncio.get_event_loop()
         for part_index, part in enumerate(self.parts_for_local_averaging):
             # our contribution as the other senders' reach us: through the codec (this records our residual)
-            mine = await loop.run_in_executor(None, self._round_trip, part, self._own_infos[part_index])
+            sent, mine = await loop.run_in_executor(None, self._round_trip, part, self._own_infos[part_index])
             weight = self._expected_weight(self.peer_id, self.weight)
             if weight > 0 and not bool(torch.isfinite(mine).all()):
                 await self._refuse_sender(sender_index, "NaN or Inf in its part")
                 raise AllreduceException("our own contribution is not finite")
+            await loop.run_in_executor(None, self._own_entry, part_index, sent, mine)
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, mine, weight=weight)
             self._check_senders_intact()
             encoded = await self._encode_average(part_index, averaged)
-            self.part_digests.add(peer_index, part_digest(encoded))
+            self.part_digests.add(peer_index, part_digest(encoded, self._attestation(part_index)))
             decoded = await loop.run_in_executor(None, decode_part, encoded)
             self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
             self._parts_received[peer_index] += 1
 
     def _round_trip(self, part, info):
-        return decode_part(self.codec.compress(part, info))
+        sent = self.codec.compress(part, info)
+        return sent, decode_part(sent)
 
     async def _exchange_with_reducer(self, peer_id, peer_index: int) -> None:
         """Stream our parts to a reducer and read its averages. We call its ``rpc_aggregate_part`` as hivemind's stub
@@ -184,7 +192,8 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             writer.close()
 
     async def _receive_averages(self, peer_id, peer_index: int, stream, all_received: asyncio.Event) -> None:
-        def decode(msg):
+        def decode(numbered):
+            index, msg = numbered
             if msg.code == averaging_pb2.PROTOCOL_VIOLATION and msg.peer_id:
                 accused, blamed, why = self._judge_refusal(peer_id, peer_index, msg)
                 self.malformed.setdefault(blamed, why)
@@ -192,11 +201,16 @@ class CanonicalAllReduceRunner(AllReduceRunner):
                                          f"{'' if blamed == accused else 'void, the reducer is blamed: '}{why}")
             if msg.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-            self.bytes_received += len(msg.tensor_part.buffer)
-            return part_digest(msg.tensor_part), decode_part(msg.tensor_part)
+            self.bytes_received += len(msg.tensor_part.buffer) + len(msg.group_id)
+            averaged = decode_part(msg.tensor_part)
+            fault = self._average_fault(peer_index, index, averaged, msg.group_id)
+            if fault is not None:  # only the reducer can be at fault (attest.py): it is named
+                self.malformed.setdefault(peer_id, fault)
+                raise AllreduceException(f"reducer {peer_id}: {fault}")
+            return part_digest(msg.tensor_part, msg.group_id), averaged
 
         part_index, expected = 0, self.tensor_part_container.num_parts_by_peer[peer_index]
-        async for digest, averaged in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
+        async for digest, averaged in amap_in_executor(decode, _numbered(aiter_with_timeout(stream, self.reducer_timeout)),
                                                        max_prefetch=self.tensor_part_container.prefetch):
             self.part_digests.add(peer_index, digest)  # in part order (decoding may run ahead, in threads)
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
@@ -226,13 +240,9 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             msg.weight = self._expected_weight(self.peer_id, self.weight)
             if self.attack is not None:
                 self.attack.on_wire(msg)
-            if self.identity is not None:  # our signature over this part: evidence against us if it is bad
-                started = time.perf_counter()
-                msg.peer_id = self.identity.sign(part_statement(self.group_id, reducer, part_index, msg.weight,
-                                                                msg.tensor_part))
-                self.sign_seconds += time.perf_counter() - started
+            await self._sealed(msg, reducer, part_index)  # signed, with its summary: evidence against us if bad
             part_index += 1
-            self.bytes_sent += len(msg.tensor_part.buffer)
+            self.bytes_sent += len(msg.tensor_part.buffer) + len(msg.peer_id)
             yield msg
             if self.fault is not None and self.fault.phase == "sending":
                 self.fault.strike()  # a sender dies after its first part went out
@@ -243,11 +253,19 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         part_index, ended = 0, "input ended"
         peer = self.sender_peer_ids[sender_index]
         try:
-            async for part, weight, msg in amap_in_executor(lambda msg: self._screen(msg, peer), stream,
-                                                            max_prefetch=self.tensor_part_container.prefetch):
+            async for part, weight, msg, (sealing, provable) in amap_in_executor(
+                    lambda numbered: self._screen(*numbered, sender_index), _numbered(stream),
+                    max_prefetch=self.tensor_part_container.prefetch):
                 why = self._problem(part, weight, peer, part_index)
                 if why is None and self._framing(sender_index):
                     why = "NaN or Inf in its part"  # fault.attack=frame: a lie about a well-formed part (tests)
+                if why is None and sealing is not None:
+                    if not provable:  # nothing to show the others: fail the round as if the sender were gone
+                        logger.warning(f"reducer: sender {peer}: {sealing}; failing the round")
+                        await self._ban_sender(peer)
+                        yield self._refusal()
+                        return
+                    why = sealing
                 if why is not None:
                     await self._refuse_sender(sender_index, why, part_index, msg)
                     yield self._refusal()
@@ -266,9 +284,11 @@ class CanonicalAllReduceRunner(AllReduceRunner):
                 encoded = await self._encode_average(part_index, averaged)
                 if self.equivocate and self._deceived(sender_index):
                     encoded = await self._lie(averaged, part_index)
+                attestation = self._attestation(part_index)
                 part_index += 1
-                self.bytes_sent += len(encoded.buffer)
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+                self.bytes_sent += len(encoded.buffer) + len(attestation)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded,
+                                                  group_id=attestation)
                 if self.fault is not None and self.fault.phase == "allreduce":
                     self.fault.strike()  # a reducer dies mid-serving
         except BaseException as e:
@@ -280,15 +300,19 @@ class CanonicalAllReduceRunner(AllReduceRunner):
                                f"{part_index} of {self.tensor_part_reducer.num_parts} parts ({ended})")
                 await self._ban_sender(peer)
 
-    def _screen(self, msg, peer):
-        """Decode a sender's part (in the executor); a non-participant's part is not decoded (it enters with weight
-        0); an undecodable one comes back as the error's text."""
+    def _screen(self, part_index: int, msg, sender_index: int):
+        """Decode a sender's part and check its seal (in the executor); a non-participant's part is not decoded (it
+        enters with weight 0); an undecodable one comes back as the error's text."""
+        peer, unsealed = self.sender_peer_ids[sender_index], (None, False)
         if self.weights is not None and self.weights[peer] == 0:
-            return None, msg.weight, msg
+            return None, msg.weight, msg, unsealed
         try:
-            return decode_part(msg.tensor_part), msg.weight, msg
+            part = decode_part(msg.tensor_part)
         except Exception as e:  # noqa: BLE001 - anything a sender can make the decoder raise
-            return f"an undecodable part ({type(e).__name__})", msg.weight, msg
+            return f"an undecodable part ({type(e).__name__})", msg.weight, msg, unsealed
+        if part.dtype != torch.float32 or not bool(torch.isfinite(part).all()):
+            return part, msg.weight, msg, unsealed  # screening names the fault
+        return part, msg.weight, msg, self._seal_fault(sender_index, part_index, part, msg)
 
     def _problem(self, part, weight: float, peer, part_index: int):
         """Why this part cannot enter the average (screening.part_problem), or None; a non-participant's part is
@@ -301,25 +325,6 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             return None
         shape = self.tensor_part_reducer.part_shapes[part_index]
         return part_problem(part, shape, weight, self._expected_weight(peer, weight))
-
-    def _framing(self, sender_index: int) -> bool:
-        """fault.attack=frame: as a reducer, refuse the first other participating sender's well-formed part."""
-        if self.attack is None or self.attack.mode != "frame":
-            return False
-        others = [p for p in self.sender_peer_ids if p != self.peer_id and self._expected_weight(p, 1.0) > 0]
-        return bool(others) and self.sender_peer_ids[sender_index] == others[0]
-
-    def _deceived(self, sender_index: int) -> bool:
-        """fault.attack=equivocate: every other sender (ourselves excepted) gets other bytes than the rest."""
-        others = [p for p in self.sender_peer_ids if p != self.peer_id]
-        return others.index(self.sender_peer_ids[sender_index]) % 2 == 1
-
-    async def _lie(self, averaged: torch.Tensor, part_index: int):
-        """The average's sign flipped and shifted, encoded with the run's codec: a valid part with other bytes."""
-        lie = averaged.neg().sub_(1e-2)
-        return await asyncio.get_event_loop().run_in_executor(None, self.average_codec.compress, lie,
-                                                              self._own_infos[part_index])
-
 
 
 class HoldingPartReducer(TensorPartReducer):
@@ -369,6 +374,13 @@ class HoldingPartReducer(TensorPartReducer):
                 combined = torch.full(self.part_shapes[self.current_part_index], float("nan"))  # as 0/0 would
             self.current_part_future.set_result(combined)
             self.reset_accumulators()
+
+
+async def _numbered(stream):
+    index = 0
+    async for item in stream:
+        yield index, item
+        index += 1
 
 
 async def _read_stream(peer_id, reader):

@@ -41,10 +41,13 @@ KEEP_CLOSED = 8  # verifications of groups already over, kept to answer late cal
 CLOSED = "closed"  # a group of ours that is over without a verification (it failed before, or checks are off)
 
 
-def part_digest(msg: runtime_pb2.Tensor) -> bytes:
-    """sha256 of an encoded part as every recipient decodes it: its codec tag, shape and bytes."""
+def part_digest(msg: runtime_pb2.Tensor, attestation: bytes = b"") -> bytes:
+    """sha256 of an encoded part as every recipient decodes it: its codec tag, shape and bytes, and the members'
+    signed summaries that came with it (attest.py)."""
     h = hashlib.sha256(f"{msg.dtype}|{msg.compression}|{list(msg.size)}|".encode())
     h.update(msg.buffer)
+    if attestation:
+        h.update(hashlib.sha256(attestation).digest())
     return h.digest()
 
 
