@@ -80,6 +80,7 @@ class Peer:
         self.log = logger
         self._closed = self._ready = False
         self._last_loss = float("nan")  # the last round's mean training loss (logged with a drained all-reduce)
+        self.run_round = 0  # the highest round of a live peer at the round's last roster read (ops/standing.py)
 
     # ------------------------------------------------------------------------------------------------ start
     def start(self) -> "Peer":
@@ -183,6 +184,7 @@ class Peer:
             inner_done = time.perf_counter()
             settled = self.exchange.settle()  # overlap: the last round's all-reduce, committed now if good
             live = self._live_roster()  # one read: did the run move on while we trained, and the group to expect
+            self.run_round = max((s.round for s in live), default=0)
             self._catch_up(live)  # if so, rebase onto it now: our work still enters this round
             if self._last_round_held() and settled is None:
                 break  # caught up to the run's last round just now: no round is left to contribute to
@@ -304,6 +306,7 @@ class Peer:
         deadlines = getattr(self.averager, "deadlines", None)  # a mocked averager has none
         deadline = deadlines.allreduce_timeout if deadlines is not None else None
         record = {"event": "round", "peer": self.name, "round": self.round, "committed": committed,
+                  "run/round": max(self.run_round, self.round),
                   "outer/group_size": result.group_size, "outer/peers": result.peers, "train/loss": train_loss,
                   "train/tokens": tokens, "train/inner_steps": steps,
                   "train/planned_steps": self.rounds.planned if steps else 0, "outer/allreduce_s": result.seconds,

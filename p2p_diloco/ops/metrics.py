@@ -114,10 +114,15 @@ class WandbSink(MetricsSink):
 
 
 def build_sink(cfg, run_dir: str | os.PathLike, name: str) -> MetricsSink:
-    """The peer's sink: ``run_dir/metrics.jsonl``, plus TensorBoard and W&B as ``cfg.run`` asks, and the Prometheus
+    """The peer's sink: ``run_dir/metrics.jsonl`` and its standing in the run (ops/standing.py), plus TensorBoard and W&B as ``cfg.run`` asks, and the Prometheus
     endpoint (ops/telemetry.py) with ``metrics.port``."""
+    import logging
+
+    from p2p_diloco.ops.standing import StandingSink
+
     run_dir = Path(run_dir)
-    sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl")]
+    # the log says when this peer falls out of the run and comes back (ops/standing.py)
+    sinks: list[MetricsSink] = [JsonlSink(run_dir / "metrics.jsonl"), StandingSink(logging.getLogger("p2p_diloco"))]
     if cfg.metrics.port:
         from p2p_diloco.ops.telemetry import PrometheusSink
 
@@ -129,7 +134,7 @@ def build_sink(cfg, run_dir: str | os.PathLike, name: str) -> MetricsSink:
 
         sinks.append(WandbSink(cfg.run.wandb_project, cfg.run.wandb_mode, run_dir, name, group=cfg.run.run_id,
                                config=redacted(cfg.to_dict())))  # the secret is never uploaded
-    return sinks[0] if len(sinks) == 1 else FanOut(sinks)
+    return FanOut(sinks)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from p2p_diloco.config import ConfigError
 from p2p_diloco.ops.metrics import MetricsSink
+from p2p_diloco.ops.standing import MISSED_ROUNDS_WARN, Standing
 
 PREFIX = "p2p_diloco"
 SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, math.inf)
@@ -72,6 +73,10 @@ class Telemetry:
         self.uncommitted = Gauge(f"{p}_uncommitted_rounds", "averaging attempts since this peer's last committed "
                                  "round (0 after a commit): a peer training alone while the run goes on",
                                  registry=r)
+        self.missed = Gauge(f"{p}_missed_rounds", "rounds the run committed since this peer's last committed round, "
+                            "from the roster (0 after a commit; ops/standing.py warns at "
+                            f"{MISSED_ROUNDS_WARN})", registry=r)
+        self._standing = Standing()
         self.last_commit_time = Gauge(f"{p}_last_commit_timestamp_seconds", "Unix time of this peer's last "
                                       "committed round (0: none yet)", registry=r)
         self.restarts = Counter(f"{p}_helper_restarts", "restarts of a helper process of the network stack, by "
@@ -96,6 +101,8 @@ class Telemetry:
             self._observe_round(record)
 
     def _observe_round(self, record: dict[str, Any]) -> None:
+        self._standing.observe(record)
+        self.missed.set(self._standing.missed)
         if record.get("committed"):
             self.committed.inc()
             self.uncommitted.set(0)

@@ -1,0 +1,75 @@
+"""ops/standing.py: a peer the run commits without says so once in its log (and once when it is back), and counts
+it in a Prometheus gauge; a peer alone, or one whose failures the run shares, says nothing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from p2p_diloco.config import load_config
+from p2p_diloco.ops.metrics import build_sink, read_jsonl
+from p2p_diloco.ops.standing import MISSED_ROUNDS_WARN, Standing
+from p2p_diloco.ops.telemetry import Telemetry
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _round(committed: bool, ours: int, run: int, error: str = "AllreduceException: could not find a group") -> dict:
+    return {"event": "round", "peer": "p0", "round": ours, "committed": committed, "run/round": run,
+            "error": None if committed else error}
+
+
+def _said(standing: Standing, records) -> list:
+    return [said for said in map(standing.observe, records) if said is not None]
+
+
+def test_standing_warns_once_when_the_run_commits_without_us_and_once_when_back():
+    s = Standing()
+    records = [_round(True, 5, 5), _round(False, 5, 5), _round(False, 5, 6), _round(False, 5, 7)]
+    assert _said(s, records) == [] and s.missed == 2  # two rounds missed: under the threshold
+    (level, line), = _said(s, [_round(False, 8, 8, "HelperDied: p2pd of the DHT died\nsecond line")])  # caught up
+    assert level == logging.WARNING and s.missed == MISSED_ROUNDS_WARN
+    assert line.startswith("NOT IN THE RUN: the run committed 3 round(s) without this peer (the run is at round 8, "
+                           "this peer last committed round 5; 4 attempt(s) failed, the last: HelperDied: p2pd")
+    assert "second line" not in line
+    assert _said(s, [_round(False, 8, 9), _round(False, 8, 12)]) == [] and s.missed == 7  # said once
+    (level, line), = _said(s, [_round(True, 13, 12)])
+    assert level == logging.INFO and s.missed == 0
+    assert line == ("back in the run: round 13 committed with this peer, after the run committed 7 round(s) "
+                    "without it (6 attempt(s) failed)")
+    assert _said(s, [_round(False, 13, 13), _round(False, 13, 14), _round(False, 13, 15)]) == []
+    assert _said(s, [_round(False, 13, 16)])[0][0] == logging.WARNING  # out again: said again
+
+
+def test_standing_is_quiet_when_the_run_does_not_commit_either():
+    s = Standing()
+    # a peer alone (its roster holds only itself), or a run whose every group fails: the run's round stands still
+    assert _said(s, [_round(False, 0, 0)] * 10) == [] and s.missed == 0
+    # a peer that started late counts from the run's round at its first attempt, not from round 0
+    late = Standing()
+    assert _said(late, [_round(False, 40, 40), _round(False, 40, 41)]) == [] and late.missed == 1
+    # records of other events and malformed rounds are ignored
+    assert _said(late, [{"event": "rebase", "round": 99}, {"event": "round", "round": "x", "run/round": 99},
+                        {"event": "round", "round": 41, "run/round": None, "committed": False}]) == []
+    assert late.missed == 1
+
+
+def test_standing_reaches_the_peers_log_and_its_metrics(tmp_path, caplog):
+    cfg = load_config(overrides={"run.run_dir": str(tmp_path)})
+    sink = build_sink(cfg, tmp_path, "p0")
+    telemetry = Telemetry()
+    records = [_round(True, 2, 2)] + [_round(False, 2, run) for run in (2, 3, 4, 5)] + [_round(True, 6, 5)]
+    with caplog.at_level(logging.INFO, logger="p2p_diloco"):
+        for i, record in enumerate(records):
+            sink.log(record)
+            telemetry.observe(record)
+            if i == 4:
+                assert telemetry.registry.get_sample_value("p2p_diloco_missed_rounds") == 3
+                assert telemetry.registry.get_sample_value("p2p_diloco_uncommitted_rounds") == 4
+    sink.close()
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "p2p_diloco"]
+    assert [level for level, _ in lines] == [logging.WARNING, logging.INFO]
+    assert lines[0][1].startswith("NOT IN THE RUN: the run committed 3 round(s) without this peer")
+    assert telemetry.registry.get_sample_value("p2p_diloco_missed_rounds") == 0
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == len(records)  # the records still reach the file
