@@ -73,3 +73,19 @@ def test_standing_reaches_the_peers_log_and_its_metrics(tmp_path, caplog):
     assert lines[0][1].startswith("NOT IN THE RUN: the run committed 3 round(s) without this peer")
     assert telemetry.registry.get_sample_value("p2p_diloco_missed_rounds") == 0
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == len(records)  # the records still reach the file
+
+
+def test_status_names_the_peers_the_run_commits_without():
+    from p2p_diloco.net.consensus import PeerStatus
+    from p2p_diloco.ops.status import describe_run, render
+
+    roster = [PeerStatus(name=f"peer{i}", peer_id=f"id{i}", round=r, digest=f"d{r}")
+              for i, r in enumerate((16, 16, 15, 12, 10))]
+    roster.append(PeerStatus(name="gone", peer_id="id9", round=2, digest="d2", leaving=True))
+    run = describe_run("run_abc", roster)
+    assert [p["rounds_behind"] for p in run["peers"]] == [14, 0, 0, 1, 4, 6]  # by name: gone, peer0..peer4
+    table = render({"run_id": "r", "time": 0.0, "runs": [run]})
+    assert table.splitlines()[-1] == ("  NOT IN THE RUN (round 16): peer3 at round 12, 4 behind, peer4 at round 10, "
+                                      "6 behind")
+    up_to_date = describe_run("run_abc", roster[:3])
+    assert "NOT IN THE RUN" not in render({"run_id": "r", "time": 0.0, "runs": [up_to_date]})

@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence
 
 from p2p_diloco.config import Config
 from p2p_diloco.net.consensus import PeerStatus, majority_state
+from p2p_diloco.ops.standing import MISSED_ROUNDS_WARN
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -25,7 +26,7 @@ CLEAR_SCREEN = "\x1b[H\x1b[2J"
 def describe_run(prefix: str, roster: Sequence[PeerStatus]) -> dict:
     """One prefix of a run, from its roster: the run's state (the latest round any live peer committed, and the
     digest most of them hold for it, as peers themselves decide) and every peer against it: ``agrees``,
-    ``behind`` (an older round) or ``differs`` (other bytes for the same round)."""
+    ``behind`` (an older round: ``rounds_behind`` of them) or ``differs`` (other bytes for the same round)."""
     live = [s for s in roster if not s.leaving]
     basis = live or list(roster)
     latest = max(s.round for s in basis)
@@ -33,7 +34,8 @@ def describe_run(prefix: str, roster: Sequence[PeerStatus]) -> dict:
     peers = []
     for s in sorted(roster, key=lambda s: s.name):
         state = "agrees" if (s.round, s.digest) == (round_, digest) else "behind" if s.round < round_ else "differs"
-        peers.append({**asdict(s), "state": state, "reachability": getattr(s, "reachability", None)})
+        peers.append({**asdict(s), "state": state, "reachability": getattr(s, "reachability", None),
+                      "rounds_behind": max(0, round_ - s.round)})
     at_latest = Counter(s.digest for s in basis if s.round == latest)
     return {"prefix": prefix, "fingerprint": prefix.rsplit("_", 1)[-1], "round": round_, "digest": digest,
             # digest → live peers holding it at the latest round; more than one: the round forked
@@ -79,6 +81,10 @@ def render(view: dict) -> str:
             lines.append(f"  {p['name'][:16]:<16} {p['round']:>5}  {p['digest'][:12]:<12}  {p['state']:<7} "
                          f"{_si(p['tokens_per_s']):>8} {_si(p['tokens_trained']):>7}  {last:>15} "
                          f"{p['reachability'] or '-':<12} {'yes' if p['leaving'] else 'no'}")
+        out = [p for p in run["peers"] if not p["leaving"] and p.get("rounds_behind", 0) >= MISSED_ROUNDS_WARN]
+        if out:  # the run commits without them (each says so in its own log too: ops/standing.py)
+            lines.append(f"  NOT IN THE RUN (round {run['round']}): " + ", ".join(
+                f"{p['name'][:16]} at round {p['round']}, {p['rounds_behind']} behind" for p in out))
     return "\n".join(lines)
 
 

@@ -126,7 +126,8 @@ def send_tensors(conn, tensors: list) -> None:
 
 
 def receive_tensors(conn, specs, wait_s: float) -> list[torch.Tensor]:
-    """Read the tensors :func:`send_tensors` wrote, ``specs`` from :func:`tensor_specs`; at most ``wait_s`` per tensor."""
+    """Read the tensors :func:`send_tensors` wrote (``specs``: :func:`tensor_specs`), waiting ``wait_s`` at most
+    for each."""
     def wait():
         if not conn.poll(wait_s):
             raise TimeoutError(f"no state arrived through the pipe within {wait_s:.0f} s")
