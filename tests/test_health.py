@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,10 @@ NOW = 1_800_000_000.0
 def peer_process(process_tag):
     """A live process whose command line names p2p_diloco, as a peer's does."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "p2p_diloco", "peer"])
+    deadline = time.monotonic() + 60
+    while b"p2p_diloco" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes():  # until its exec is done (the
+        assert time.monotonic() < deadline, "the test's process did not start"  # check reads its command line)
+        time.sleep(0.01)
     yield proc
     proc.kill()
     proc.wait()

@@ -89,3 +89,23 @@ def test_status_names_the_peers_the_run_commits_without():
                                       "6 behind")
     up_to_date = describe_run("run_abc", roster[:3])
     assert "NOT IN THE RUN" not in render({"run_id": "r", "time": 0.0, "runs": [up_to_date]})
+
+
+def test_metrics_jsonl_rotates_and_its_readers_read_both_files(tmp_path):
+    from p2p_diloco.ops.health import tail_records
+    from p2p_diloco.ops.metrics import JsonlSink, rotated
+
+    path = tmp_path / "metrics.jsonl"
+    sink = JsonlSink(path, rotate_bytes=2000)
+    for i in range(200):  # about 100 bytes each: 20,000 bytes written in all
+        sink.log({"event": "round", "round": i, "committed": True, "pad": "x" * 40})
+        assert path.stat().st_size <= 2000 and (not rotated(path).exists() or rotated(path).stat().st_size <= 2000)
+    sink.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "metrics.jsonl.1"]  # bounded: 2 files
+    rounds = [r["round"] for r in read_jsonl(path)]
+    assert rounds == list(range(rounds[0], 200)) and 15 <= len(rounds) <= 40  # in order, the newest kept
+    # the health probe reads the end: just after a rotation, it reaches into the rotated file
+    path.write_text(path.read_text().splitlines(keepends=True)[-1])  # one record since the rotation
+    both = [r["round"] for r in read_jsonl(path)]
+    tail = [r["round"] for r in tail_records(path, tail_bytes=500)]
+    assert tail[-1] == 199 and 3 <= len(tail) <= 5 and tail == both[-len(tail):]

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from p2p_diloco.ops.metrics import rotated
+
 PID_FILE = "peer.pid"
 HEALTHY_ROUNDS = 5  # rounds without a commit before a peer counts as out of the run
 MIN_AGE_S = 120.0  # the bound never goes below this: a short round's jitter must not flap the probe
@@ -112,7 +114,15 @@ def _is_peer_process(pid: int) -> bool:
 
 
 def tail_records(path: Path, tail_bytes: int = TAIL_BYTES) -> list[dict]:
-    """The complete JSON records in the last ``tail_bytes`` of a JSONL file (a torn or foreign line is skipped)."""
+    """The complete JSON records in the last ``tail_bytes`` of a JSONL file (a torn or foreign line is skipped),
+    preceded by the end of its rotated predecessor (ops/metrics.py JsonlSink) if the file is shorter than that."""
+    records = _tail(path, tail_bytes)
+    if path.is_file() and path.stat().st_size < tail_bytes:
+        records = _tail(rotated(path), tail_bytes - path.stat().st_size) + records
+    return records
+
+
+def _tail(path: Path, tail_bytes: int) -> list[dict]:
     try:
         with open(path, "rb") as f:
             size = f.seek(0, os.SEEK_END)

@@ -25,15 +25,27 @@ class MetricsSink:
         pass
 
 
-class JsonlSink(MetricsSink):
-    """Appends one JSON line per record to ``path``, flushed at once so a crash loses nothing already logged."""
+ROTATE_BYTES = 32 * 1024 * 1024  # metrics.jsonl is rotated past this (about 30,000 rounds of records)
 
-    def __init__(self, path: str | os.PathLike):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", buffering=1)
+
+class JsonlSink(MetricsSink):
+    """Appends one JSON line per record to ``path``, flushed at once so a crash loses nothing already logged.
+
+    Bounded: a record that would take the file past ``rotate_bytes`` first moves it to ``path.1`` (replacing the
+    older one), so a peer that runs for months keeps at most twice that; :func:`read_jsonl` reads both."""
+
+    def __init__(self, path: str | os.PathLike, rotate_bytes: int = ROTATE_BYTES):
+        self.path, self.rotate_bytes = Path(path), rotate_bytes
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)
 
     def log(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({"time": time.time(), **record}) + "\n")
+        line = json.dumps({"time": time.time(), **record}) + "\n"
+        if self._file.tell() and self._file.tell() + len(line) > self.rotate_bytes:
+            self._file.close()
+            os.replace(self.path, rotated(self.path))
+            self._file = open(self.path, "a", buffering=1)
+        self._file.write(line)
 
     def close(self) -> None:
         if not self._file.closed:
@@ -114,8 +126,8 @@ class WandbSink(MetricsSink):
 
 
 def build_sink(cfg, run_dir: str | os.PathLike, name: str) -> MetricsSink:
-    """The peer's sink: ``run_dir/metrics.jsonl`` and its standing in the run (ops/standing.py), plus TensorBoard and W&B as ``cfg.run`` asks, and the Prometheus
-    endpoint (ops/telemetry.py) with ``metrics.port``."""
+    """The peer's sink: ``run_dir/metrics.jsonl`` (rotated) and its standing in the run (ops/standing.py), plus
+    TensorBoard and W&B as ``cfg.run`` asks, and the Prometheus endpoint (ops/telemetry.py) with ``metrics.port``."""
     import logging
 
     from p2p_diloco.ops.standing import StandingSink
@@ -137,16 +149,23 @@ def build_sink(cfg, run_dir: str | os.PathLike, name: str) -> MetricsSink:
     return FanOut(sinks)
 
 
+def rotated(path: str | os.PathLike) -> Path:
+    """Where :class:`JsonlSink` moves a full file: ``metrics.jsonl`` → ``metrics.jsonl.1``."""
+    return Path(f"{path}.1")
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every complete record of a JSONL file (a torn last line, from a killed writer, is skipped)."""
+    """Every complete record of a JSONL file and, first, of its rotated predecessor (:class:`JsonlSink`); a torn
+    line, from a killed writer, is skipped."""
     records = []
-    if not Path(path).is_file():
-        return records
-    for line in Path(path).read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+    for part in (rotated(path), Path(path)):
+        if not part.is_file():
             continue
+        for line in part.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
     return records
 
 
