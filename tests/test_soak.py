@@ -76,16 +76,16 @@ def test_start_and_end_leave_out_warmup_and_settling():
 
 
 @pytest.mark.timeout(30)
-def test_verdict_flags_growth_unmeasured_figures_and_unrotated_files():
+def test_verdict_flags_growth_and_unmeasured_figures_and_names_growing_files():
     flat = {"tree_rss_bytes_ratio": 1.05, "tree_fds_ratio": 0.9, "checkpoint_bytes": (500, 500), "dir_files": (3, 3),
             "metrics_bytes_per_min": 0.0, "log_bytes_per_min": 0.0, "dir_bytes": (1, 1)}
     v = verdict({"peer0": flat, "bootstrap": {"tree_rss_bytes_ratio": 1.0, "tree_fds_ratio": 1.0}})
     assert (v["memory_flat"], v["fds_flat"], v["folder_bounded"], v["notes"]) == (True, True, True, [])
     v = verdict({"peer0": {**flat, "tree_rss_bytes_ratio": 1.2, "metrics_bytes_per_min": 10240.0},
                  "peer1": {**flat, "tree_fds_ratio": None, "steady_samples": 1}})
-    assert (v["memory_flat"], v["fds_flat"], v["folder_bounded"]) == (False, False, False)
+    assert (v["memory_flat"], v["fds_flat"], v["folder_bounded"]) == (False, False, True)  # metrics.jsonl rotates
     assert v["notes"] == ["peer0: RSS grew ×1.20 after warm-up",
-                          "peer0: metrics grows 10.0 KiB/min (14 MiB/day), never rotated",
+                          "peer0: metrics grows 10.0 KiB/min (14 MiB/day), rotated past 32 MiB: at most 64 MiB kept",
                           "peer1: FDs not measured after warm-up (1 steady samples)"]
     v = verdict({"peer0": {**flat, "tree_fds_worst_life": 3.0}})  # a leak a restart of the peer hid
     assert not v["fds_flat"] and v["notes"] == ["peer0: FDs grew ×3.00 within the life of one process"]
