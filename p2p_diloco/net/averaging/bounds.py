@@ -31,6 +31,7 @@ import torch
 BLOCK = 4096  # values per summary block: a multiple of every block codec's block (64, 256)
 ROW_BYTES = 16  # lo (fp32), hi (fp32), sum (fp64) per block
 _SUM_ROUNDING = 2.0 ** -30  # a block sum in fp64, relative to the block's count x its largest value
+_TINY = 2.0 ** -120  # fp32 arithmetic on subnormal values rounds by up to 2^-149 whatever their size
 
 
 def blocks(numel: int) -> int:
@@ -103,9 +104,10 @@ def codec_room(codec: str, a: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(a)
     if codec == "fp16":  # half an ulp of the value, or of the smallest subnormal
         return a * 2.0 ** -10 + 2.0 ** -24
-    if codec == "scaled_fp16":  # fp16 of (x - mean) / std, times std, plus mean: |x - mean| <= a + the part's max
+    if codec == "scaled_fp16":  # fp16 of (x - mean) / std, times std, plus mean: |x - mean| <= a + the part's max;
+        # the std is at least fp32's eps (2^-23), so fp16's smallest step (2^-24) is at least 2^-47 of x
         whole = a.max() if a.numel() else a.new_zeros(())
-        return (a + whole) * 2.0 ** -10 + whole * 2.0 ** -21
+        return (a + whole) * 2.0 ** -10 + whole * 2.0 ** -21 + 2.0 ** -46
     if codec in _BLOCK_CODEC_ROOM:
         return a * _BLOCK_CODEC_ROOM[codec] * (1 + 2.0 ** -8)
     raise ValueError(f"unknown codec {codec!r}")
@@ -127,7 +129,7 @@ def average_problem(average: torch.Tensor, claims: Sequence[tuple[float, tuple]]
         lo_b, hi_b = lo_b.clamp(max=0.0), hi_b.clamp(min=0.0)
     a = torch.maximum(lo_b.abs(), hi_b.abs())
     a = a + (n + 8) * 2.0 ** -20 * a  # fp32 accumulation and the rule's own arithmetic
-    room = (a - torch.maximum(lo_b.abs(), hi_b.abs())) + codec_room(codec, a)
+    room = (a - torch.maximum(lo_b.abs(), hi_b.abs())) + codec_room(codec, a) + _TINY  # _TINY: subnormal rounding
     got_lo, got_hi, got_sums = (t.double() for t in _stats(average))
     outside = (got_lo < lo_b - room) | (got_hi > hi_b + room)
     if bool(outside.any()):
