@@ -156,11 +156,32 @@ def test_one_entry_claiming_a_far_round_is_not_followed():
     assert sync_target(me, [*honest, _s("evil", 11, "e")]) is None, "one entry just ahead is not followed either"
     joiner = sync_target(_s("new", 0, ""), [*honest, _s("evil", 10 ** 9, "e")])
     assert (joiner.round, joiner.digest, joiner.donors) == (10, "x", ["id-b", "id-c"])
-    # two entries far ahead of the others' median: not followed; two just ahead (a group that just committed, read
-    # before the others' entries were refreshed) are
+    # two entries far ahead of the others' median: not followed; two just ahead neither (two identities are no
+    # certificate in a run of five: a group of two could not have committed there)
     assert sync_target(me, [*honest, _s("e1", 10 ** 9, "e"), _s("e2", 10 ** 9, "e")]) is None
-    ahead = sync_target(me, [*honest, _s("d", 11, "y"), _s("e", 11, "y")])
-    assert (ahead.round, ahead.donors) == (11, ["id-d", "id-e"])
+    assert sync_target(me, [*honest, _s("d", 11, "y"), _s("e", 11, "y")]) is None
+
+
+def test_a_round_ahead_is_followed_once_most_of_the_run_holds_it():
+    """The signed entries at round r are its certificate: more than half of the peers at r - 1 or later."""
+    me = _s("s", 10, "x")
+    stale = [_s(f"p{i:02d}", 10, "x") for i in range(15)]  # 16 peers; a group of 9 committed round 11 without us
+    fresh = [_s(f"p{i:02d}", 11, "y") for i in range(9)]
+    for seen in range(1, 10):  # the members' new entries reach us one by one
+        target = sync_target(me, fresh[:seen] + stale[seen:])
+        assert (target is not None) == (seen >= 8), seen  # the others' median: 8 of the 15 others
+    assert sync_target(me, fresh + stale[9:]).donors == [f"id-p{i:02d}" for i in range(9)]
+    # identities that claim the round after the run's must outnumber the run: 16 honest at 11, 15 Sybils at 12
+    run = [_s(f"h{i:02d}", 11, "y") for i in range(15)]
+    sybils = [_s(f"evil{i:02d}", 12, "e") for i in range(15)]
+    assert sync_target(_s("me", 11, "y"), run + sybils) is None
+    assert sync_target(_s("me", 11, "y"), run + sybils + [_s("evil99", 12, "e"), _s("evil98", 12, "e")]).round == 12
+    # joiners far behind lower the median: the round after it is followed on its holders outnumbering the peers at
+    # the round before it (3 committed round 11; we and one other missed it; 4 joiners are still at round 5)
+    joiners = [_s(f"j{i}", 5, "z") for i in range(4)]
+    target = sync_target(me, [*joiners, _s("t", 10, "x"), *fresh[:3]])
+    assert (target.round, target.digest) == (11, "y")
+    assert sync_target(me, [*joiners, _s("t", 10, "x"), _s("u", 10, "x"), *fresh[:2]]) is None  # 2 of 5: not yet
 
 
 def test_a_lone_peer_ahead_is_followed_when_nobody_contradicts_it():

@@ -52,21 +52,27 @@ def majority_state(states: Sequence[tuple[int, str]]) -> tuple[int, str]:
     return _best(Counter(states))
 
 
-MAX_AHEAD = 2  # rounds above the others' median round that a claim held by two entries may be (stale roster reads)
-
-
 def credible_rounds(me: PeerStatus, others: Sequence[PeerStatus]) -> set[int]:
-    """The rounds a peer may follow: its own, any round at most the others' (lower) median round, and a round above
-    it held by at least two distinct entries and at most :data:`MAX_AHEAD` above it. The roster is written by anyone:
-    one entry claiming round 10^9 (or the median + 1) is not followed alone, so a minority cannot make the run
-    download its state; a group commits only with more than half of the run (:func:`has_quorum`), so the round it
-    commits soon is the median. Without a commit certificate the rule cannot tell one honest peer ahead of the
-    others from one liar: a run of one peer joined by two fresh peers at once is the case it gets wrong (they start
-    the run anew instead of joining it); join one at a time."""
+    """The rounds a peer may follow: its own, any round at most the others' (lower) median round, and, step by
+    step above those, a round r whose entries are more than half of the peers at round r − 1 or later (this peer
+    included) when r − 1 is credible itself: the signed roster entries at r are r's commit certificate.
+
+    The roster is written by anyone, but each entry only in its own signed name (net/records.py): one entry
+    claiming round 10^9 is not followed, and neither are a few identities claiming rounds after the run's (they
+    would have to outnumber the run's peers, a Sybil majority). A group commits only with more than half of the
+    run (:func:`has_quorum`), so the peers holding the round it commits soon outnumber the rest; until their
+    entries reach this peer (a second or two), it waits. What the rule cannot tell apart: a run of one peer
+    joined by two fresh peers at once (they start the run anew instead of joining it); join one at a time."""
     rounds = sorted(s.round for s in others)
     base = rounds[(len(rounds) - 1) // 2] if rounds else me.round
-    holders = Counter(round_ for _, round_ in {(s.peer_id, s.round) for s in others})  # distinct entries
-    return {me.round} | {r for r in rounds if r <= base or (holders[r] >= 2 and r <= base + MAX_AHEAD)}
+    entries = {(s.peer_id, s.round) for s in others if s.peer_id != me.peer_id}  # one per signed identity
+    holders = Counter(round_ for _, round_ in entries)
+    credible = {me.round} | {r for r in rounds if r <= base}
+    for r in sorted(set(rounds) - credible):  # ascending: each step stands on the one below it
+        since = sum(1 for _, round_ in entries if round_ >= r - 1) + (me.round >= r - 1)
+        if r - 1 in credible and 2 * holders[r] > since:
+            credible.add(r)
+    return credible
 
 
 def sync_target(me: PeerStatus, roster: Sequence[PeerStatus]) -> Optional[SyncTarget]:
