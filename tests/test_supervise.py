@@ -10,6 +10,7 @@ Pure parts of net/supervise.py (ports kept across a restart, the restart budget)
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -262,3 +263,29 @@ def test_supervise_a_node_started_again_with_its_key_file_keeps_its_id(tmp_path,
         again.shutdown()
     finally:
         boot.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_supervise_bootstrap_whose_restarts_keep_failing_exits_3_with_one_line(tmp_path, process_tag):
+    """The bootstrap node's identity file is damaged while it runs (read at start only), then its p2pd is killed:
+    every restart with that identity fails, and after MAX_FAILED_RESTARTS the node exits with code 3 (its service
+    manager starts it again) and one line on stderr that says what died and that it gave up."""
+    swarm = Swarm(tmp_path)
+    try:
+        (tmp_path / "boot.key").write_bytes(b"not a key")
+        killed = time.monotonic()
+        os.kill(swarm.helper("boot", "p2pd"), signal.SIGKILL)
+        code = swarm.procs["boot"].wait(timeout=240)
+        took = time.monotonic() - killed
+        log = swarm.log("boot")
+        assert code == NetworkLost.exit_code, log[-3000:]
+        errors = [line for line in log.splitlines() if line.startswith("p2p-diloco: error:")]
+        assert len(errors) == 1 and re.fullmatch(  # the daemon's exit status is known if it was reaped in time
+            r"p2p-diloco: error: network: p2pd of the DHT died \(exit (-9|status unknown)\); the DHT node failed "
+            rf"{MAX_FAILED_RESTARTS} restarts in a row: giving up \(exit code 3\)", errors[0]), log[-3000:]
+        tries = [line for line in log.splitlines() if "restarting the DHT node failed" in line]
+        assert len(tries) == MAX_FAILED_RESTARTS, log[-3000:]  # one warning per try, saying why
+        assert took > 2 + 4 + 8 + 16  # it waited between tries: the cause may have passed
+        assert group_members(swarm.procs["boot"].pid) == []  # its helpers went with it
+    finally:
+        swarm.stop()
