@@ -229,3 +229,23 @@ def test_the_first_member_back_from_a_commit_names_the_same_leader_as_the_rest()
     assert with_my_group(me, [outsider], (2, frozenset(s.name for s in group))) == [outsider]
     behind = _s("p05", 0, "older")
     assert with_my_group(me, [behind], (2, frozenset(s.name for s in group))) == [behind]
+
+
+def test_stragglers_read_the_finished_list_after_the_finishers_entries_expired(monkeypatch):
+    """The 16-peer fork of round 4: the 9 finishers' roster entries had expired when the 4 stragglers, whose failing
+    attempts took longer than the roster TTL, looked again; the finished list still named the finishers."""
+    import threading
+    from types import SimpleNamespace
+
+    from p2p_diloco.config import load_config
+    from p2p_diloco.net import membership as membership_module
+
+    finishers = [(f"f{i}", 4) for i in range(9)]
+    monkeypatch.setattr(membership_module, "read_finished", lambda dht, prefix, timeout: finishers)
+    cfg = load_config(overrides={"run.rounds": "4"})
+    me = membership_module.Membership(cfg, None, SimpleNamespace(peer_id="id-s0"), "run", "s0",
+                                      SimpleNamespace(round=3, digest="w"), "fp", None, threading.Event())
+    stragglers = [_s(f"s{i}", 3, "w") for i in range(1, 4)]
+    assert me.run_is_over(stragglers)
+    finishers = finishers[:3]  # three finished, four still train: not over
+    assert not me.run_is_over(stragglers)

@@ -203,13 +203,12 @@ class Membership:
     def run_is_over(self, roster: list[PeerStatus]) -> bool:
         """True if the run finished without us (:func:`consensus.finished_without`): every other peer left after
         training all of ``run.rounds``, or more of them did than are still training. The finished list is read
-        from the DHT only when the roster shows a peer that left after the last round, or no peer training."""
+        every round (one DHT read): the finishers' roster entries expire ``averaging.roster_ttl`` after they left,
+        while a straggler's failing attempts can take longer than that."""
         rounds = self.cfg.run.rounds
         if rounds is None:
             return False
         others = [s for s in roster if s.peer_id != self.peer_id]
-        if any(not s.leaving for s in others) and not any(s.leaving and s.round >= rounds for s in others):
-            return False
         # those that left after the last round: in the roster, or (entries expired) in the finished list
         recorded = read_finished(self.dht, self.prefix, self.cfg.averaging.request_timeout)
         finished = finished_without(rounds, others, recorded)
