@@ -22,8 +22,8 @@ NAMED = ("p2p_diloco_rounds_committed", "p2p_diloco_rounds_failed", "p2p_diloco_
          "p2p_diloco_inner_seconds", "p2p_diloco_matchmaking_seconds", "p2p_diloco_allreduce_seconds",
          "p2p_diloco_sent_bytes", "p2p_diloco_received_bytes", "p2p_diloco_train_loss", "p2p_diloco_eval_loss",
          "p2p_diloco_tokens_per_second", "p2p_diloco_group_size", "p2p_diloco_round",
-         "p2p_diloco_last_commit_age_seconds", "p2p_diloco_uncommitted_rounds", "p2p_diloco_helper_restarts",
-         "p2p_diloco_dropped_records")
+         "p2p_diloco_last_commit_age_seconds", "p2p_diloco_uncommitted_rounds", "p2p_diloco_missed_rounds",
+         "p2p_diloco_helper_restarts", "p2p_diloco_dropped_records")
 
 
 def _round(committed: bool, round_: int, **extra) -> dict:
