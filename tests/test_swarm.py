@@ -125,3 +125,27 @@ def test_interrupted_swarm_leaves_no_process(tmp_path, process_tag):
     assert "interrupted" in rest
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["rounds"] and summary["rounds"][0]["round"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_the_table_counts_the_peers_in_each_round_not_every_process_started(tmp_path):
+    """A kill-each-round run: peer2 killed holding round 2, new0 joined at round 3. Round 3 began with peer0, peer1
+    and peer2 (lost in it); new0 counts from round 4. Before, every process ever started was the denominator."""
+    from types import SimpleNamespace
+
+    from p2p_diloco.ops.swarm_rounds import RoundTable, held_rounds
+
+    held = {"peer0": [0, 1, 2, 3, 4], "peer1": [0, 1, 2, 3, 4], "peer2": [0, 1, 2], "new0": [3, 4]}
+    peers = {}
+    for name, rounds in held.items():
+        (tmp_path / name).mkdir()
+        events = [{"event": "start" if name != "new0" else "join", "round": rounds[0]}]
+        events += [{"event": "round", "committed": True, "round": r} for r in rounds[1:]]
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(e) for e in events) + "\n")
+        peers[name] = SimpleNamespace(run_dir=tmp_path / name)
+    record = {"committed": True, "outer/group_size": 2, "train/loss": 1.0, "outer/allreduce_s": 1.0,
+              "outer/bytes_sent": 1, "global_params_sha256": "ab" * 32}
+    rows = []
+    RoundTable(rows.append).update({3: {"peer0": record, "peer1": record}, 4: {n: record for n in held if n != "peer2"}},
+                                   {n: float("inf") for n in held}, final=True, held=held_rounds(peers))
+    assert "on 2 of 3 peers" in rows[1] and "on 3 of 3 peers" in rows[2], rows

@@ -21,7 +21,8 @@ from p2p_diloco.config import dump_toml
 from p2p_diloco.errors import first_line, printable
 from p2p_diloco.ops.metrics import read_jsonl
 from p2p_diloco.ops.procs import stop_groups
-from p2p_diloco.ops.swarm_rounds import RoundTable, collect_rounds, hashes_agree, progress, write_summary
+from p2p_diloco.ops.swarm_rounds import (RoundTable, collect_rounds, hashes_agree, held_rounds, progress,
+                                         write_summary)
 
 __all__ = ["DEMO_DEFAULTS", "LocalSwarm", "collect_rounds", "run_swarm", "write_peer_config", "write_summary"]
 
@@ -257,7 +258,7 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
         pending = list(plan.actions)
         while True:
             rounds_seen = collect_rounds(swarm.peers)
-            table.update(rounds_seen, progress(swarm.peers))
+            table.update(rounds_seen, progress(swarm.peers), held=held_rounds(swarm.peers))
             latest = max(rounds_seen, default=0)
             while pending and pending[0][0] <= latest:
                 _act(swarm, events, *pending.pop(0))
@@ -282,7 +283,7 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
         swarm.close()
         events.note_exits(swarm.peers, plan.faults)
         summary = write_summary(run_dir, swarm.peers, events.events)
-        table.update(collect_rounds(swarm.peers), progress(swarm.peers), final=True)
+        table.update(collect_rounds(swarm.peers), progress(swarm.peers), final=True, held=held_rounds(swarm.peers))
     exit_codes = {name: c.proc.returncode for name, c in swarm.peers.items()}
     # peers failed on purpose end by SIGKILL: their own (kill) or the swarm's at close (stall)
     failed = {n: c for n, c in exit_codes.items() if c != 0 and not (c == -signal.SIGKILL and n in plan.faults)}

@@ -40,6 +40,23 @@ def progress(peers: dict) -> dict[str, float]:
     return out
 
 
+def held_rounds(peers: dict) -> dict[str, tuple[int, int]]:
+    """peer name → (first, last) round whose θ_global it held (started with, committed, repaired or joined)."""
+    out = {}
+    for name, child in peers.items():
+        held = [r["round"] for r in read_jsonl(child.run_dir / "metrics.jsonl")
+                if r.get("event") in PROGRESS_EVENTS + ("start",) and isinstance(r.get("round"), int)]
+        if held:
+            out[name] = (min(held), max(held))
+    return out
+
+
+def in_round(held: dict[str, tuple[int, int]], number: int) -> int:
+    """How many peers were in the run when round ``number`` began: they held round ``number`` − 1 (a peer killed
+    later counts, as a member lost; its replacement counts from the round after the one it joined at)."""
+    return sum(1 for first, last in held.values() if first <= number - 1 <= last)
+
+
 def digests_of(by_peer: dict[str, dict]) -> dict[str, list[str]]:
     """digest → the peers that committed the round with it, most holders first."""
     holders: dict[str, list[str]] = {}
@@ -122,8 +139,10 @@ class RoundTable:
     def __init__(self, echo):
         self.echo, self.printed = echo, set()
 
-    def update(self, rounds: dict[int, dict[str, dict]], settled: dict[str, float], final: bool = False) -> None:
-        """``settled``: :func:`progress` of every peer of the swarm; ``final``: the swarm has ended, print the rest."""
+    def update(self, rounds: dict[int, dict[str, dict]], settled: dict[str, float], final: bool = False,
+               held: Optional[dict[str, tuple[int, int]]] = None) -> None:
+        """``settled``: :func:`progress` of every peer of the swarm; ``final``: the swarm has ended, print the rest;
+        ``held``: :func:`held_rounds`, for how many peers were in each round (else every peer ever started)."""
         if not self.printed:
             self.echo(f"{'round':>5} {'group':>5} {'train loss':>10} {'eval loss':>9} {'allreduce s':>11} "
                       f"{'MB sent':>8}  θ_global sha256 of the peers that committed it")
@@ -141,4 +160,4 @@ class RoundTable:
             self.echo(f"{number:5d} {group:5d} {_mean([r['train/loss'] for r in by_peer.values()]):10.4f} "
                       f"{eval_text} {max(r['outer/allreduce_s'] for r in by_peer.values()):11.2f} "
                       f"{sum(r['outer/bytes_sent'] for r in by_peer.values()) / 1e6:8.2f}  "
-                      f"{agreement_text(by_peer, len(settled))}")
+                      f"{agreement_text(by_peer, in_round(held, number) if held else len(settled))}")
