@@ -146,6 +146,6 @@ def test_the_table_counts_the_peers_in_each_round_not_every_process_started(tmp_
     record = {"committed": True, "outer/group_size": 2, "train/loss": 1.0, "outer/allreduce_s": 1.0,
               "outer/bytes_sent": 1, "global_params_sha256": "ab" * 32}
     rows = []
-    RoundTable(rows.append).update({3: {"peer0": record, "peer1": record}, 4: {n: record for n in held if n != "peer2"}},
-                                   {n: float("inf") for n in held}, final=True, held=held_rounds(peers))
+    rounds = {3: {"peer0": record, "peer1": record}, 4: {n: record for n in held if n != "peer2"}}
+    RoundTable(rows.append).update(rounds, {n: float("inf") for n in held}, final=True, held=held_rounds(peers))
     assert "on 2 of 3 peers" in rows[1] and "on 3 of 3 peers" in rows[2], rows
