@@ -5,6 +5,7 @@ inherit the old one's buffers."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 
@@ -127,12 +128,14 @@ def test_an_averager_started_after_a_released_one_does_not_inherit_its_buffers(p
     made = []
     try:
         for _ in range(3):
+            gc.collect()  # what earlier tests of this process left in reference cycles: the same count each time
+            before = _shm_fds(os.getpid())
             made.append(averaging.Averager(dht, AveragingConfig(error_feedback=True), "shm", shapes))
             in_child = _shm_fds(made[-1]._averager.pid)
             assert in_child >= 2 * len(shapes)  # its buffers and error feedback's, shared with this process
             made[-1].close()
             made[-1].release()
-            assert _shm_fds(os.getpid()) < len(shapes)  # released here: fewer than one buffer per parameter left
+            assert _shm_fds(os.getpid()) - before <= 1  # released here (MPFuture's 16-byte buffer may be new)
             made[-1] = in_child
         assert made[1] == made[0] and made[2] == made[0]
     finally:
