@@ -249,3 +249,29 @@ def test_stragglers_read_the_finished_list_after_the_finishers_entries_expired(m
     assert me.run_is_over(stragglers)
     finishers = finishers[:3]  # three finished, four still train: not over
     assert not me.run_is_over(stragglers)
+
+
+def test_a_roster_read_answered_in_part_keeps_the_entries_that_have_not_expired(monkeypatch):
+    """At 16 peers on 2 loaded cores successive roster reads returned 15, 8 and 14 of 16 peers: groups formed around
+    different leaders. An entry a read missed is the run's until its own expiration time."""
+    import threading
+    from types import SimpleNamespace
+
+    from p2p_diloco.config import load_config
+    from p2p_diloco.net import membership as membership_module
+
+    now = [1000.0]
+    reads = []
+    monkeypatch.setattr(membership_module, "get_dht_time", lambda: now[0])
+    monkeypatch.setattr(membership_module, "read_roster_expiring", lambda dht, prefix, timeout: reads.pop(0))
+    me = membership_module.Membership(load_config(), None, SimpleNamespace(peer_id="id-p00"), "run", "p00",
+                                      SimpleNamespace(round=3, digest="w"), "fp", None, threading.Event())
+    full = [(_s(f"p{i:02d}", 3, "w"), 1030.0) for i in range(16)]
+    reads += [full, full[:8], [(_s("p03", 4, "v"), 1040.0)] + full[4:14]]
+    assert len(me.roster()) == 16
+    assert len(me.roster()) == 16, "half a read does not halve the run"
+    third = {s.name: s.round for s in me.roster()}
+    assert len(third) == 16 and third["p03"] == 4, "the newest entry of each peer wins"
+    now[0] = 1035.0  # the entries written at 1000 expired; p03's newer one has not
+    reads.append([])
+    assert [s.name for s in me.roster()] == ["p03"]

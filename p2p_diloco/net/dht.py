@@ -304,7 +304,14 @@ def publish_status(dht: hivemind.DHT, prefix: str, status: PeerStatus, ttl: floa
 def read_roster(dht: hivemind.DHT, prefix: str, timeout: float) -> list[PeerStatus]:
     """Every valid unexpired peer status of the run (net/records.py: invalid entries are dropped and counted);
     [] if the DHT does not answer."""
-    return valid_entries("roster", _read_subkeys(dht, roster_key(prefix), timeout, "the roster"), _value)
+    return [status for status, _ in read_roster_expiring(dht, prefix, timeout)]
+
+
+def read_roster_expiring(dht: hivemind.DHT, prefix: str, timeout: float) -> list[tuple[PeerStatus, float]]:
+    """:func:`read_roster` with each entry's expiration time (DHT time)."""
+    entries = _read_subkeys(dht, roster_key(prefix), timeout, "the roster")
+    expiring = {str(k): float(getattr(v, "expiration_time", 0.0)) for k, v in entries.items()}
+    return [(s, expiring.get(s.peer_id, 0.0)) for s in valid_entries("roster", entries, _value)]
 
 
 def _value(entry):

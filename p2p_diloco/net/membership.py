@@ -23,11 +23,12 @@ import time
 from typing import Optional
 
 import torch
+from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.config import Config, ConfigError, shared_settings
 from p2p_diloco.net.consensus import PeerStatus, SyncTarget, finished_without, majority_state, sync_target
 from p2p_diloco.net.dht import (publish_finished, publish_run_index, publish_run_settings, publish_status,
-                                read_finished, read_roster, reconnect, redial)
+                                read_finished, read_roster_expiring, reconnect, redial)
 from p2p_diloco.net.security import schema
 from p2p_diloco.ops.metrics import MetricsSink
 from p2p_diloco.train.global_state import GlobalState
@@ -50,6 +51,7 @@ class Membership:
         self._closed = threading.Event()
         self._heartbeat: Optional[threading.Thread] = None
         self._last_reconnect = 0.0
+        self._known: dict[str, tuple[PeerStatus, float]] = {}  # peer id -> (its newest entry read, expiration)
         self._last_redial = time.monotonic()
         self._saw_others = False  # after an outage (not at start), reconnecting is worth a log line
         self._access_changed = threading.Event()  # a private run's secret or revocations changed (heartbeat)
@@ -78,16 +80,28 @@ class Membership:
         """Every unexpired roster entry, leavers included. Seeing nobody else, first dial the initial peers again
         (at most every roster_ttl): after a network outage this node's DHT may have dropped all its neighbours."""
         self._push_access()
-        roster = self._members(read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout))
-        alone = not any(s.peer_id != self.peer_id for s in roster)
+        read = read_roster_expiring(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+        alone = not any(s.peer_id != self.peer_id for s, _ in read)
         if alone and self.cfg.network.initial_peers and self._may_reconnect():
             answered = reconnect(self.dht, self.cfg.network.initial_peers, self.cfg.averaging.request_timeout)
             if answered:
                 (self.log.info if self._saw_others else self.log.debug)(
                     f"no other peer in the roster: reached {answered} initial peer(s) again")
-                roster = self._members(read_roster(self.dht, self.prefix, self.cfg.averaging.request_timeout))
+                read = read_roster_expiring(self.dht, self.prefix, self.cfg.averaging.request_timeout)
         self._saw_others = self._saw_others or not alone
-        return roster
+        return self._members(self._remember(read))
+
+    def _remember(self, read: list[tuple[PeerStatus, float]]) -> list[PeerStatus]:
+        """This read merged with the entries earlier reads returned that have not expired yet, the newest entry of
+        each peer: a loaded DHT answers a read in part (at 16 peers on 2 cores a peer saw 15, then 8, then 14 of
+        16), and an entry it did not return this time is still the run's until its own expiration time."""
+        now = get_dht_time()
+        known = {pid: (s, expires) for pid, (s, expires) in self._known.items() if expires > now}
+        for status, expires in read:
+            if expires > now and expires >= known.get(status.peer_id, (None, 0.0))[1]:
+                known[status.peer_id] = (status, expires)
+        self._known = known
+        return [status for status, _ in sorted(known.values(), key=lambda entry: entry[0].peer_id)]
 
     def _refresh_access(self) -> None:
         """Private runs, on the heartbeat thread (off the round's path): a new secret in network.secret_file, new
