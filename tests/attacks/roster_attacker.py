@@ -40,7 +40,7 @@ def main() -> int:
 
     net = NetworkConfig(initial_peers=[args.bootstrap], host_maddrs=[LOOPBACK], join_timeout=20.0)
     first, second = start_dht(net), start_dht(net)
-    report = {"peer_ids": [str(first.peer_id), str(second.peer_id)], "stores": {}, "prefix": None}
+    report = {"peer_ids": [str(first.peer_id), str(second.peer_id)], "stores": {}, "attempts": {}, "prefix": None}
     try:
         deadline = time.monotonic() + 120
         while not report["prefix"] and time.monotonic() < deadline and not os.path.exists(args.stop):
@@ -60,7 +60,8 @@ def main() -> int:
         while not os.path.exists(args.stop) and time.monotonic() < deadline:
             for name, (dht, subkey, value) in entries.items():
                 ok = dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + 60)
-                report["stores"][name] = report["stores"].get(name, 0) + int(bool(ok))
+                report["stores"][name] = report["stores"].get(name, 0) + int(bool(ok))  # some node took it
+                report["attempts"][name] = report["attempts"].get(name, 0) + 1
             with open(args.out, "w") as f:
                 json.dump(report, f)
             time.sleep(2.0)  # re-store for peers that joined since (records are not handed to newcomers)

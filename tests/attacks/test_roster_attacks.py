@@ -51,7 +51,11 @@ def test_bad_roster_entries_from_outside_neither_crash_nor_lead_the_run(tmp_path
             proc.wait(timeout=60)
     try:
         attack = json.loads(report.read_text())
-        assert attack["prefix"] and all(attack["stores"].get(k) for k in ("crash", "sybil", "ahead")), attack
+        # every attack was made; the malformed ones may be refused on store by every node that holds the key (the
+        # nodes nearest to it are the run's peers, whose validator refuses them, or the attacker's own, which keep
+        # them: which, depends on the random peer ids); the well-formed claim is taken
+        assert attack["prefix"] and all(attack["attempts"].get(k) for k in ("crash", "sybil", "ahead")), attack
+        assert attack["stores"].get("ahead"), attack
         assert code == 0, "a peer failed or the peers' θ_global differ"
         summary = json.loads((tmp_path / "summary.json").read_text())
         assert len(summary["rounds"]) == ROUNDS
