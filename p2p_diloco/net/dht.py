@@ -22,6 +22,7 @@ Run-level keys (``{safe_run_id}``: the run_id with characters other than letters
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -71,6 +72,27 @@ class DHT(FailFast, hivemind.DHT):
         if self.kwargs.get("authorizer") is not None:
             bind_remote_peers()  # a private run: the authorizer refuses revoked senders (net/security/auth.py)
         super().run()
+
+    def shutdown(self) -> None:
+        """hivemind's, but our end of the pipe is closed after the process ended, not right after the request: closed
+        at once, the DHT process's read of the request failed now and then (ConnectionResetError in ``DHT._run``),
+        the request was lost, and the process was ended the hard way 3 s later, leaving its p2pd socket behind."""
+        if self.is_alive():
+            self._outer_pipe.send(("_shutdown", [], {}))
+            self.join(self.shutdown_timeout)
+            if self.is_alive():
+                logger.warning("DHT did not shut down within the grace period; ending it the hard way")
+                self.terminate()
+                self.join(self.shutdown_timeout)
+                self._remove_daemon_socket()  # its p2pd dies with it, too abruptly to remove its socket file
+        self._outer_pipe.close()
+
+    daemon_socket: Optional[str] = None  # the path of our p2pd's control socket, learnt at start (start_dht)
+
+    def _remove_daemon_socket(self) -> None:
+        if self.daemon_socket and os.path.basename(self.daemon_socket).startswith("hivemind-p2pd-"):
+            with contextlib.suppress(OSError):
+                os.unlink(self.daemon_socket)
 
     def terminate(self) -> None:
         end_hard(self)  # hivemind's fallback when shutdown() timed out: this process ignores SIGTERM
@@ -174,11 +196,22 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
         dht = _start(cfg, access, identity, identity_file, check_identity, client_mode, force_reachability, relays)
     finally:
         forget_file()  # p2pd read it at start (a key we generated: nobody else ever sees it)
+    dht.daemon_socket = _daemon_socket(dht, cfg.join_timeout)
     # a restart (net/supervise.py) keeps who we are: the same identity, even one generated for this process alone
     dht.relaunch = lambda host_maddrs: start_dht(replace(cfg, host_maddrs=list(host_maddrs)), client_mode=client_mode,
                                                  force_reachability=force_reachability, relays=relays,
                                                  identity=identity)
     return dht
+
+
+def _daemon_socket(dht, timeout: float) -> Optional[str]:
+    """Our p2pd's control socket path (``/unix/...`` in its multiaddr), or None if the DHT does not say."""
+    try:
+        maddr = dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr, return_future=True).result(timeout)
+        return str(maddr).removeprefix("/unix") if str(maddr).startswith("/unix/") else None
+    except Exception as e:  # noqa: BLE001 - only the cleanup after a hard stop needs it
+        logger.debug(f"the p2pd socket path is unknown: {e!r}")
+        return None
 
 
 def _start(cfg: NetworkConfig, access: Optional[Access], identity, identity_file: str, check_identity: bool,
