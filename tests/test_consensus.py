@@ -275,3 +275,57 @@ def test_a_roster_read_answered_in_part_keeps_the_entries_that_have_not_expired(
     now[0] = 1035.0  # the entries written at 1000 expired; p03's newer one has not
     reads.append([])
     assert [s.name for s in me.roster()] == ["p03"]
+
+
+def test_a_straggler_whose_donors_died_fetches_from_the_peer_that_went_on():
+    """Seen in the kill-each-round swarm: peer0 and peer1 committed round 2, peer1 died at round 3's checks after
+    peer0 had its average, and peer0 committed round 3 alone. new0, at round 1, saw round 2 as the run's: its only
+    holder (peer1's entry, not expired yet) was dead. The peer that went on to round 3 is tried next."""
+    me = _s("new0", 1, "r1")
+    roster = [_s("peer0", 3, "r3"), _s("peer1", 2, "r2"), _s("peer2", 1, "r1")]  # peer1 and peer2 are dead
+    target = sync_target(me, roster)
+    assert (target.round, target.digest, target.donors) == (2, "r2", ["id-peer1", "id-peer0"])
+    # a round far past the target is not in the list: one entry claiming it proves nothing
+    assert sync_target(me, [_s("peer1", 2, "r2"), _s("evil", 5, "e")]).donors == ["id-peer1"]
+
+
+def test_a_round_seen_as_the_runs_is_remembered_while_a_live_peer_holds_it_or_a_later_one():
+    """Later, peer1's entry expired and new1 joined from new0 at round 1: the roster (peer0 at 4, new1 at 1) no
+    longer makes round 2 credible, and new0 and new1 alone would commit a second round 2. The round new0 saw
+    stays its target while a live peer holds it or a later one (its digest unknown: "")."""
+    me, new1 = _s("new0", 1, "r1"), _s("new1", 1, "r1")
+    assert sync_target(me, [_s("peer0", 4, "r4"), new1]) is None, "without the memory"
+    target = sync_target(me, [_s("peer0", 4, "r4"), new1], known_round=2)
+    assert (target.round, target.digest, target.donors) == (2, "", ["id-peer0"])
+    assert sync_target(me, [_s("peer0", 5, "r5"), new1], known_round=2).donors == [], "too far past it"
+    assert sync_target(me, [new1], known_round=2) is None, "nobody holds it any more: forgotten"
+    assert sync_target(_s("new0", 2, "r2"), [_s("peer0", 2, "r2")], known_round=2) is None
+
+
+def test_membership_remembers_the_runs_round_and_the_peer_sits_out_until_it_holds_it():
+    import threading
+    from types import SimpleNamespace
+
+    from p2p_diloco.config import load_config
+    from p2p_diloco.net import membership as membership_module
+    from p2p_diloco.net.exchange import Exchange
+
+    state = SimpleNamespace(round=1, digest="r1", params=[])
+    me = membership_module.Membership(load_config(), None, SimpleNamespace(peer_id="id-new0"), "run", "new0",
+                                      state, "fp", None, threading.Event())
+    first = me.behind([_s("peer0", 3, "r3"), _s("peer1", 2, "r2"), _s("peer2", 1, "r1")])
+    assert first.round == 2 and me.known_round == 2
+    later = me.behind([_s("peer0", 4, "r4"), _s("new1", 1, "r1")])  # peer1's entry expired
+    assert (later.round, later.donors) == (2, ["id-peer0"]) and me.known_round == 2
+
+    peer = SimpleNamespace(membership=me, round=1, state=state, cfg=load_config(), tokens_since_commit=40)
+    exchange = Exchange(peer, "none")
+    exchange.start([])  # would average at round 1 below the run's round 2: sends nothing
+    settled = exchange.settle()
+    assert not settled.committed and "behind the run: it reached round 2" in settled.result.error
+
+    state.round, state.digest = 4, "r4"  # fetched peer0's state
+    assert me.behind([_s("peer0", 4, "r4"), _s("new1", 1, "r1")]) is None and me.known_round == 0
+    state.round, state.digest = 1, "r1"  # (a peer at round 1 again:) every holder of round 2 or later is gone
+    assert me.behind([_s("peer0", 3, "r3"), _s("peer1", 2, "r2")]).round == 2 and me.known_round == 2
+    assert me.behind([_s("new1", 1, "r1")]) is None and me.known_round == 0, "forgotten with its last holder"

@@ -75,26 +75,41 @@ def credible_rounds(me: PeerStatus, others: Sequence[PeerStatus]) -> set[int]:
     return credible
 
 
-def sync_target(me: PeerStatus, roster: Sequence[PeerStatus]) -> Optional[SyncTarget]:
+LATER_DONORS = 2  # rounds past the target whose holders are tried after its own holders (see sync_target)
+
+
+def sync_target(me: PeerStatus, roster: Sequence[PeerStatus], known_round: int = 0) -> Optional[SyncTarget]:
     """None if ``me`` holds the run's current state, else the state to fetch and who can serve it.
 
     The current state is the latest credible round (:func:`credible_rounds`); if peers disagree about that round's
     bytes (a round half-committed when a reducer died), the digest held by most of them, ties broken as in
-    :func:`majority_state`. A peer never repairs towards an older round.
-    """
+    :func:`majority_state`. A peer never repairs towards an older round. ``known_round``: a round this peer saw
+    earlier as the run's (:class:`~p2p_diloco.net.membership.Membership` remembers it while some live peer holds it
+    or a later one): the holders of a round die, their entries expire, and what is left (the peers that moved
+    past it, the stragglers below it) may not make it credible again; the peer still must not go on below it.
+
+    Donors: the target's own holders, in name order, then (if all of those fail) the peers at most
+    :data:`LATER_DONORS` rounds past it, nearest round first: when every member of the group that committed the
+    target round but one died, that one may have committed the next round alone with the averages it had, and it
+    is the only peer that can bring a straggler back into the run. A later state is checked like any (its donor's
+    digest, finite values); the bound keeps a stranger's claim of a far round out of the list, and one near the
+    run's round is repaired at that round as soon as the run's peers there outnumber it."""
     others = [s for s in roster if not s.leaving and s.peer_id != me.peer_id]
     latest = max(credible_rounds(me, others))
+    if known_round > latest and any(s.round >= known_round for s in others):
+        latest = known_round
     live = [s for s in others if s.round == latest] + [me]
     at_latest = Counter((s.round, s.digest) for s in live if s.round == latest)
-    target_round, target_digest = _best(at_latest)
+    target_round, target_digest = _best(at_latest) if at_latest else (latest, "")  # "": its holders are gone
     if (me.round, me.digest) == (target_round, target_digest):
         return None
-    holders = [s for s in live
-               if s.peer_id != me.peer_id and s.donor and (s.round, s.digest) == (target_round, target_digest)]
     # one order on every peer (by name, relayed donors last: their state would cross a relay): predictable, and a
     # failed donor is simply skipped by the next attempt
-    holders.sort(key=lambda s: (s.reachability == "relayed", s.name))
-    return SyncTarget(target_round, target_digest, [s.peer_id for s in holders])
+    holders = sorted((s for s in others if s.donor and (s.round, s.digest) == (target_round, target_digest)),
+                     key=lambda s: (s.reachability == "relayed", s.name))
+    later = sorted((s for s in others if s.donor and target_round < s.round <= target_round + LATER_DONORS),
+                   key=lambda s: (s.round, s.reachability == "relayed", s.name))
+    return SyncTarget(target_round, target_digest, [s.peer_id for s in holders + later])
 
 
 # ---------------------------------------------------------------------------------------------- one θ_global per round

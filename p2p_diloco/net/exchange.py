@@ -51,6 +51,22 @@ class Settled:
     paused_s: float = 0.0  # settled after τ steps: how long the inner steps paused for it (the wait, the outer step)
 
 
+class _SatOut:
+    """A round this peer did not average in (:meth:`Exchange.start`): settled at once, as a failed attempt."""
+
+    def __init__(self, result):
+        self.outcome, self.waited, self.contribution = result, 0.0, None  # nothing sent: nothing to commit
+
+    def done(self) -> bool:
+        return True
+
+    def exchanging(self) -> bool:
+        return False
+
+    def result(self):
+        return self.outcome
+
+
 class Exchange:
     """The averaging step of one peer's rounds; ``peer`` is the :class:`~p2p_diloco.peer.Peer` it belongs to."""
 
@@ -103,7 +119,8 @@ class Exchange:
         if self.pending is not None:
             pending, self.pending = self.pending, None
             result = pending.result()
-            self._explain(result)
+            if not isinstance(pending, _SatOut):
+                self._explain(result)
             arrived = result.ok and self._commit(result, pending.contribution.tokens)
             if arrived:
                 self.run_size.committed(result.group_size)
@@ -118,10 +135,20 @@ class Exchange:
         return settled
 
     def start(self, live: list) -> None:
-        """This round's contribution into the buffers, and its all-reduce started; returns at once."""
+        """This round's contribution into the buffers, and its all-reduce started; returns at once. A peer that knows
+        the run reached a round past its θ_global (net/membership.py ``known_round``) sends nothing: whatever group
+        it formed below that round could commit a second θ_global for a round the run already committed."""
         from p2p_diloco.net.averaging import Contribution
 
+        from p2p_diloco.net.averaging import AverageResult
+
         peer = self.peer
+        known = peer.membership.known_round if peer.membership is not None else 0
+        if known > peer.round:  # the run is past our θ_global and we could not fetch its state yet: sit this one out
+            error = (f"behind the run: it reached round {known}, we hold round {peer.round} and could not fetch its "
+                     f"state yet; not averaging below it")
+            self.pending = _SatOut(AverageResult(ok=False, error=error))
+            return
         if peer.membership is not None:
             peer.averager.set_group_size(len(live))
         self._live_modes = [s.reachability for s in live]

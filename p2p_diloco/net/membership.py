@@ -54,6 +54,10 @@ class Membership:
         self._known: dict[str, tuple[PeerStatus, float]] = {}  # peer id -> (its newest entry read, expiration)
         self._last_redial = time.monotonic()
         self._saw_others = False  # after an outage (not at start), reconnecting is worth a log line
+        # a round the run reached past ours (0: none): we do not average until we hold it (:meth:`behind`,
+        # Exchange.start), even when the roster no longer makes it credible (its holders died; who is left moved past
+        # it or is below it): a group below it would commit a second θ_global for a round the run already has
+        self.known_round = 0
         self._access_changed = threading.Event()  # a private run's secret or revocations changed (heartbeat)
         # what we report about our work in the roster (PeerStatus fields of the same names); the peer updates it
         self.work = {"tokens_per_s": 0.0, "tokens_trained": 0, "last_allreduce_s": 0.0, "last_bytes": 0,
@@ -236,10 +240,17 @@ class Membership:
     # ------------------------------------------------------------------------------------------------ state
     def behind(self, live_roster: list[PeerStatus]) -> Optional[SyncTarget]:
         """The run's state to fetch before contributing, if the run moved past our θ_global or most peers hold other
-        bytes for our round and some donor serves it; else None."""
-        target = sync_target(self.status(), live_roster)
+        bytes for our round and some donor serves it; else None. A round the run reached is remembered
+        (:attr:`known_round`) until we hold it or no live peer holds it or a later one."""
+        me = self.status()
+        if self.known_round <= me.round or not any(s.round >= self.known_round for s in live_roster
+                                                   if s.peer_id != me.peer_id and not s.leaving):
+            self.known_round = 0
+        target = sync_target(me, live_roster, self.known_round)
         if target is None:
             return None
+        if target.round > me.round:
+            self.known_round = max(self.known_round, target.round)
         if not target.donors:
             self.log.warning(f"behind the run (round {target.round}) but no donor serves that state yet")
             return None
@@ -291,7 +302,7 @@ class Membership:
         _, digest = state_digests(tensors[:n], tensors[n:])
         if digest != metadata.get("digest"):
             return "bytes do not match the donor's digest (corrupted in transit)"
-        if metadata.get("round", -1) < target.round or (metadata["round"] == target.round
+        if metadata.get("round", -1) < target.round or (metadata["round"] == target.round and target.digest
                                                         and digest != target.digest):
             return f"round {metadata.get('round')} is not the run's round {target.round}"
         return None
