@@ -30,12 +30,19 @@ def _state(shapes) -> list[torch.Tensor]:
     return [torch.randn(s, generator=g) for s in shapes] * 2
 
 
+MPFUTURE_CHUNK = 16  # bytes: hivemind's MPFuture states share one chunk of this size per 16 futures (SharedBytes)
+
+
 def _shm_fds(pid: int) -> int:
-    """Descriptors of ``pid`` open on torch's shared-memory files (/dev/shm/torch_*)."""
+    """Descriptors of ``pid`` open on torch's shared-memory files (/dev/shm/torch_*) larger than hivemind's
+    MPFuture chunks: tensors (the smallest parameter here has 128 floats). A chunk is allocated every 16 futures and
+    freed when they are, so whether a process holds one more at a given moment, and a helper forked then inherits
+    it, depends on how many calls were made before: not what these tests count."""
     count = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{fd}"
         try:
-            count += "torch_" in os.readlink(f"/proc/{pid}/fd/{fd}")
+            count += "torch_" in os.readlink(path) and os.stat(path).st_size > MPFUTURE_CHUNK
         except OSError:  # closed meanwhile
             pass
     return count
@@ -135,7 +142,7 @@ def test_an_averager_started_after_a_released_one_does_not_inherit_its_buffers(p
             assert in_child >= 2 * len(shapes)  # its buffers and error feedback's, shared with this process
             made[-1].close()
             made[-1].release()
-            assert _shm_fds(os.getpid()) - before <= 1  # released here (MPFuture's 16-byte buffer may be new)
+            assert _shm_fds(os.getpid()) == before  # released here
             made[-1] = in_child
         assert made[1] == made[0] and made[2] == made[0]
     finally:
