@@ -138,9 +138,7 @@ class Exchange:
         """This round's contribution into the buffers, and its all-reduce started; returns at once. A peer that knows
         the run reached a round past its θ_global (net/membership.py ``known_round``) sends nothing: whatever group
         it formed below that round could commit a second θ_global for a round the run already committed."""
-        from p2p_diloco.net.averaging import Contribution
-
-        from p2p_diloco.net.averaging import AverageResult
+        from p2p_diloco.net.averaging import AverageResult, Contribution
 
         peer = self.peer
         known = peer.membership.known_round if peer.membership is not None else 0
