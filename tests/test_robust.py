@@ -129,6 +129,25 @@ def test_holding_reducer_combines_in_sender_order_and_measures_what_it_holds():
 
 
 @pytest.mark.timeout(30)
+def test_holding_reducer_refuses_a_part_that_arrives_after_the_all_reduce_failed():
+    """CI's kill-each-round swarm: a member died as a sender, the runner finalized the reducer while our own part
+    was being encoded, and the part then set the result of the cancelled future (InvalidStateError, which fails the
+    round instead of the survivors' retry). It must be the all-reduce's own error."""
+    from hivemind.averaging.partition import AllreduceException
+    from p2p_diloco.net.averaging.allreduce import HoldingPartReducer
+
+    xs, ws = _parts(n=2, size=50)
+
+    async def late_part():
+        reducer = HoldingPartReducer([xs[0].shape, xs[0].shape], 2, Aggregator("mean"))
+        reducer.finalize()  # the runner failed: another member is gone
+        await reducer.accumulate_part(0, 0, xs[0], weight=ws[0])
+
+    with pytest.raises(AllreduceException, match="finalized"):
+        asyncio.run(late_part())
+
+
+@pytest.mark.timeout(30)
 def test_screening_is_deterministic_and_needs_a_majority():
     ids = ["A", "B", "C", "D"]
     assert accused(ids, [["D"], [], [], []]) == set()  # 1 of the 3 others: not a majority

@@ -352,6 +352,9 @@ class HoldingPartReducer(TensorPartReducer):
                                return_when=asyncio.FIRST_COMPLETED)
             if self.finished.is_set():
                 raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
+        if self.finished.is_set():  # the all-reduce failed while this part was on its way (hivemind's reducer
+            # would set the result of the cancelled future: InvalidStateError, which no survivor retries)
+            raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
         if self.sender_failed_after[sender_index] != float("inf"):
             raise BannedException(f"sender {sender_index} was banned in background")
         current = self.current_part_future
