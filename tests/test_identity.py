@@ -80,7 +80,8 @@ def test_dht_nodes_refuse_records_in_another_peers_name(rsa_identity, tmp_path, 
 
     from p2p_diloco.config import NetworkConfig
     from p2p_diloco.net.consensus import PeerStatus
-    from p2p_diloco.net.dht import publish_status, read_roster, roster_key, start_dht
+    from p2p_diloco.net.dht import start_dht
+    from p2p_diloco.net.keys import publish_status, read_roster, roster_key
 
     before = set(os.listdir(tempfile.gettempdir()))  # where the key file is written
     a = start_dht(NetworkConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(rsa_identity[2])))

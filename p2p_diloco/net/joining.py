@@ -30,7 +30,8 @@ def join_swarm(peer) -> None:
     """Our reachability decided, the averager and the membership made, our addresses written and said; then wait
     for ``run.join_after_round``."""
     from p2p_diloco.net import nat
-    from p2p_diloco.net.dht import run_prefix, visible_maddrs
+    from p2p_diloco.net.dht import visible_maddrs
+    from p2p_diloco.net.keys import run_prefix
     from p2p_diloco.net.membership import Membership
     from p2p_diloco.net.run_settings import run_fingerprint
 

@@ -27,8 +27,9 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.config import Config, ConfigError, shared_settings
 from p2p_diloco.net.consensus import PeerStatus, SyncTarget, finished_without, majority_state, sync_target
-from p2p_diloco.net.dht import (publish_finished, publish_run_index, publish_run_settings, publish_status,
-                                read_finished, read_roster_expiring, reconnect, redial)
+from p2p_diloco.net.dht import reconnect, redial
+from p2p_diloco.net.keys import (publish_finished, publish_run_index, publish_run_settings, publish_status,
+                                 read_finished, read_roster_expiring)
 from p2p_diloco.net.security import schema
 from p2p_diloco.ops.metrics import MetricsSink
 from p2p_diloco.train.global_state import GlobalState

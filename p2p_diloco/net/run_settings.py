@@ -4,7 +4,7 @@ every peer that joins.
 A config key is either a *run setting* (``shared=True`` in config/sections.py: the model, tokenizer, data source,
 inner lr schedule, the outer setup, codec, group sizes, run id, rounds, seed), which every peer of a run must hold equal, or
 a *machine setting* (device, micro-batch and gradient accumulation, threads, network, timeouts, paths), each
-machine's own. Every peer publishes its run settings under ``{safe_run_id}.config`` (net/dht.py). A peer that
+machine's own. Every peer publishes its run settings under ``{safe_run_id}.config`` (net/keys.py). A peer that
 joins reads them before building its model:
 
 * a run setting it set itself (in a config file or on the command line) must equal the run's, or it is refused
@@ -197,7 +197,7 @@ def settle(cfg: Config, dht, given: Optional[set[str]], log: logging.Logger = lo
     """The config this peer runs with: its own, checked against the run's published settings and completed by
     them. Raises ConfigError (one line, exit code 2) on a mismatch, on settings a peer without the spec hash must not
     take from the DHT, or when a peer that expects the run finds none (or none of its spec hash)."""
-    from p2p_diloco.net.dht import read_run_settings
+    from p2p_diloco.net.keys import read_run_settings
 
     wanted = cfg.run.spec_hash
     wait = expects_run(cfg, given) or (wanted is not None and wanted != spec_hash(shared_settings(cfg)))

@@ -1,7 +1,7 @@
 """``p2p-diloco status``: a read-only view of a live run, from the DHT, without joining it as a trainer.
 
 The view starts a client-mode DHT node (it stores nothing for others and is never in a group), finds the run's
-prefixes in the run index (``{safe_run_id}.runs``, see :mod:`p2p_diloco.net.dht`), and reads each prefix's roster.
+prefixes in the run index (``{safe_run_id}.runs``, see :mod:`p2p_diloco.net.keys`), and reads each prefix's roster.
 A peer appears while its roster entry lives: a dead peer disappears ``averaging.roster_ttl`` seconds (of the run's
 peers) after its last heartbeat. :func:`describe_run` and :func:`render` are pure.
 """
@@ -48,7 +48,7 @@ def describe_run(prefix: str, roster: Sequence[PeerStatus]) -> dict:
 
 def read_status(dht, run_id: str, timeout: float) -> dict:
     """The run's current view (JSON-ready): every prefix announced in the run index that has live entries."""
-    from p2p_diloco.net.dht import read_roster, read_run_index
+    from p2p_diloco.net.keys import read_roster, read_run_index
 
     runs = []
     for prefix in read_run_index(dht, run_id, timeout):

@@ -2,7 +2,7 @@
 
 A client-mode DHT node (as ``p2p-diloco status``: it stores nothing for others and is never in a group) reads the
 run every ``refresh_s`` seconds on a background thread, through ops/status.py's reader (the run index, each
-prefix's roster) and net/dht.py's run settings reader, into a cache: JSON encoded once per read. HTTP requests
+prefix's roster) and net/keys.py's run settings reader, into a cache: JSON encoded once per read. HTTP requests
 (the standard library's ThreadingHTTPServer) serve that cache and the page's files, which ship in the package
 (``web_assets/``: no CDN, works offline). What is shown is typed and bounded by ops/web_view.py; the page renders it
 as text only, under a Content-Security-Policy that allows no inline script and no other origin.
@@ -65,7 +65,7 @@ class RunWatcher:
 
     def refresh(self) -> None:
         """One read of the run. A failed read keeps the last view and says why on the page; it never raises."""
-        from p2p_diloco.net.dht import read_run_settings
+        from p2p_diloco.net.keys import read_run_settings
         from p2p_diloco.net.run_settings import run_settings_of
 
         try:

@@ -36,7 +36,8 @@ def main() -> int:
 
     from p2p_diloco.config import NetworkConfig
     from p2p_diloco.net.consensus import PeerStatus
-    from p2p_diloco.net.dht import read_run_index, roster_key, start_dht
+    from p2p_diloco.net.dht import start_dht
+    from p2p_diloco.net.keys import read_run_index, roster_key
 
     net = NetworkConfig(initial_peers=[args.bootstrap], host_maddrs=[LOOPBACK], join_timeout=20.0)
     first, second = start_dht(net), start_dht(net)

@@ -33,7 +33,8 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout this script is in, not another
 
     from p2p_diloco.config import NetworkConfig
-    from p2p_diloco.net.dht import read_run_settings, run_settings_key, start_dht
+    from p2p_diloco.net.dht import start_dht
+    from p2p_diloco.net.keys import read_run_settings, run_settings_key
     from p2p_diloco.net.security.identity import Identity
 
     deadline = time.monotonic() + 600  # a safety: the test always writes STOP_FILE
