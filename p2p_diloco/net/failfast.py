@@ -12,6 +12,7 @@ on it goes on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -134,6 +135,50 @@ class FailFast:
         if os.getpid() == self._parent_pid and not self.is_alive():
             # a writer blocked on the full pipe (nobody reads it now) goes on once the pipe is emptied: read it here
             threading.Thread(target=_drain, args=(self._inner_pipe,), name="dht-pipe-drain", daemon=True).start()
+
+
+def close_host_side(helper, join_s: float = 1.0) -> None:
+    """Once a hivemind helper process (the DHT's, the averager's) has ended, in the process that started it: close
+    the host's ends of its command pipe and its sentinel pipe, after the host threads that read that pipe (the
+    averager's state fetcher, our drain) have ended. Left to the garbage collector, they outlive a network-stack
+    restart (the old objects sit in reference cycles), and the helpers forked for the new stack inherit them for good:
+    +9 descriptors per restart in the soak (benchmarks/soak.md)."""
+    if os.getpid() != getattr(helper, "_parent_pid", None):
+        return
+    helper.join(join_s)  # hivemind's shutdown() may end with a SIGTERM it does not wait for
+    if helper.is_alive():
+        return
+    outer, inner = _raw(getattr(helper, "_outer_pipe", None)), _raw(getattr(helper, "_inner_pipe", None))
+    fetchers = _readers_of(outer)  # the averager's state fetcher, told to stop as hivemind's own shutdown does
+    if fetchers and inner is not None:
+        with contextlib.suppress(OSError, ValueError):
+            inner.send(("_SHUTDOWN", None))
+    if _joined(fetchers, join_s) and outer is not None:
+        outer.close()  # the DHT's write end: our drain of its read end (mark_down) now reads EOF and ends
+    if _joined(_readers_of(inner), join_s) and inner is not None:
+        inner.close()  # never under a thread still reading it
+    popen = getattr(helper, "_popen", None)
+    if popen is not None:  # multiprocessing's sentinel pipe, two descriptors (the exit code is known: is_alive,
+        popen.close()      # join and exitcode still answer, unlike after Process.close())
+
+
+def _raw(pipe):
+    return pipe._pipe if isinstance(pipe, GuardedPipe) else pipe
+
+
+def _joined(threads: list[threading.Thread], timeout: float) -> bool:
+    for thread in threads:
+        thread.join(timeout)
+    return not any(t.is_alive() for t in threads)
+
+
+def _readers_of(pipe) -> list[threading.Thread]:
+    """Threads of this process whose target was started with ``pipe`` among its arguments (Thread keeps them in
+    ``_args`` while it runs)."""
+    if pipe is None:
+        return []
+    return [t for t in threading.enumerate()
+            if t is not threading.current_thread() and any(a is pipe for a in getattr(t, "_args", ()) or ())]
 
 
 def _drain(pipe, quiet_s: float = 10.0) -> None:

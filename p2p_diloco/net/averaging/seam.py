@@ -23,7 +23,7 @@ from p2p_diloco.net.averaging.wire import WireCodec, payload_bytes
 from p2p_diloco.net.averaging.contribution import AverageResult, Contribution
 from p2p_diloco.net.averaging.averager import CanonicalAverager
 from p2p_diloco.net.averaging.state_pipe import receive_tensors
-from p2p_diloco.net.failfast import GuardedPipe, HelperDied
+from p2p_diloco.net.failfast import GuardedPipe, HelperDied, close_host_side
 from p2p_diloco.ops.faults import AVERAGER_PHASES
 
 
@@ -283,6 +283,7 @@ class Averager:
         (benchmarks/soak.md). The object is unusable afterwards."""
         self._averager._averaged_tensors = ()
         self._averager._state_pipe.close()
+        close_host_side(self._averager)  # its command and sentinel pipes, and the thread reading them
         self._codec.residuals = None
         if self.error_feedback is not None:
             self.error_feedback.pending = []
