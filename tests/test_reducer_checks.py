@@ -131,6 +131,43 @@ def test_a_verification_commits_only_when_every_member_reached_agrees():
     assert "member p2 could not verify: sent two different sets of digests" in out["two stories"][1]
 
 
+def test_a_verification_commits_only_with_a_majority_of_the_group():
+    """CI's NAT test: home2's router went down right after its all-reduce; it reached nobody, left everyone out and
+    committed round 4 alone, while the others failed it and later committed a round 4 of their own. A member now
+    commits only when the members that confirmed its digests, itself included, are more than half of the group;
+    client-mode members, which can never dial each other, do not count each other."""
+    import asyncio
+
+    from p2p_diloco.net.averaging.verify import Verification
+
+    def verdict(size: int, agreed: list[int], dead: list[int], apart=()):
+        async def run():
+            names = [f"p{i}" for i in range(size)]
+            v = Verification(names, names, 0, apart)
+            own = [bytes([i]) * 32 for i in range(size)]
+            v.own.set_result(own)
+            v.check_settled()  # as _verify_parts does
+            for j in agreed:
+                v.record(j, own)
+            for j in dead:
+                v.unreachable(j, "StopAsyncIteration()")
+            assert v.settled.is_set()
+            return v.verdict()
+        return asyncio.run(run())
+
+    isolated = verdict(4, [], [1, 2, 3])
+    assert isolated is not None and "only 1 of the group's 4 members" in isolated and "not a majority" in isolated
+    assert "'p1', 'p2', 'p3'" in isolated
+    assert verdict(4, [1], [2, 3]) is not None  # 2 of 4: half is not a majority
+    assert verdict(4, [1, 2], [3]) is None  # one death before the checks: the other three commit
+    assert verdict(3, [1], [2]) is None
+    assert verdict(2, [], [1]) is not None  # a pair cannot tell a dead partner from a cut link
+    assert verdict(1, [], []) is None  # averaging alone
+    # we are a client-mode member, 2 and 3 are too: only 0 and 1 count, and 1 agreed
+    assert verdict(4, [1], [2, 3], apart={2, 3}) is None
+    assert verdict(4, [], [1, 2, 3], apart={2, 3}) is not None
+
+
 @pytest.mark.parametrize("key,value", [("averaging.max_share", "0.5"), ("averaging.verify_parts", "maybe")])
 def test_bad_values_of_the_new_keys_are_one_line_and_exit_2(key, value):
     import subprocess

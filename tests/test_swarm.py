@@ -89,9 +89,14 @@ def test_kill_each_round_kills_a_sender_and_a_member_before_the_checks_and_repla
     survivor = read_jsonl(tmp_path / "peer0" / "metrics.jsonl")
     attempts = [(r["round"] + (not r["committed"]), r["committed"]) for r in survivor if r.get("event") == "round"]
     assert [n for n, ok in attempts if ok] == [1, 2, 3, 4]
-    # the rounds a member died in (2: a sender, 3: before the checks) are not lost; round 4's first attempt may be:
-    # new1, joined at round 3, can reach the leader after its window closed (a late arrival, not a death)
-    assert all(ok for n, ok in attempts if n in (2, 3)), f"a survivor failed a round a member died in: {attempts}"
+    # the rounds a member died in are not lost: round 2 (a sender) never; round 3 (before the checks) unless the
+    # survivor's group was peer1 and itself alone, where a pair cannot tell a dead partner from a cut link and the
+    # majority rule fails the round (net/averaging/verify.py). Round 4's first attempt may be lost: new1, joined at
+    # round 3, can reach the leader after its window closed (a late arrival, not a death)
+    failed = [(r["round"] + 1, r.get("error") or "") for r in survivor
+              if r.get("event") == "round" and not r["committed"]]
+    assert all(n != 2 for n, _ in failed), f"a survivor failed the round a sender died in: {failed}"
+    assert all("only 1 of the group's 2 members" in why for n, why in failed if n == 3), f"round 3 lost: {failed}"
     assert summary["rounds"][1]["committed_by"] == 2 and "peer2" not in summary["rounds"][1]["global_params_sha256"]
     assert "running it again among them" in (tmp_path / "peer0.log").read_text()
 

@@ -177,7 +177,8 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
             peer_fractions = await self._reducer_fractions(download_bandwidths, min_vector_size)
             if self._verify_parts_on:  # members are named with the end of their (authenticated) peer id
                 labels = [f"{c.name} (…{p[-6:]})" for c, p in zip(contributions, peer_ids)]
-                verification = self._open_verification(group_info, labels)
+                clients = {i for i, m in enumerate(mode_ids) if AveragingMode(m) == AveragingMode.CLIENT}
+                verification = self._open_verification(group_info, labels, clients if me in clients else ())
             started = time.monotonic()
             try:
                 stats = await self._allreduce_round(group_info, contributions[me].round + 1,

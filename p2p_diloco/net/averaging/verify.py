@@ -11,11 +11,16 @@ a member whose call and answer differ fails the round. Each member thus hears fr
 A member does not commit unless every member it reaches answered with digests equal to its own: an answer that its
 all-reduce failed, a refusal, or other digests fail the round. A member it cannot reach at all (the connection
 fails, or no answer before the all-reduce's deadline) is left out of the comparison: it died or the network between
-them failed, and it is not there to commit either; so a member dying right after its all-reduce does not fail the
-others' round. Members that reach each other always compare, so an equivocation between them is always caught;
-what is left open (two client-mode members cannot dial each other; a partition right after the all-reduce) is in
-the README, "Reducer checks". A member that committed while another failed is the divergence that the next round's
-θ_global digest check settles (the minority repairs from the majority).
+them failed. Members that reach each other always compare, so an equivocation between them is always caught.
+
+And a member commits only with a majority: the members that confirmed the same digests, itself included, must be
+more than half of the group (two client-mode members, which can never dial each other, do not count each other).
+Those members all hold every average, so they all commit these bytes, and the rest, a minority, repair from them.
+Without this rule a member cut off right after its all-reduce (a home router down: CI's NAT test) committed the
+round alone while the others failed it, and the others, a majority at the round before, then committed a round of
+the same number without it: two θ_global for one round until it repaired. The price: in a group of two, a member
+whose partner died after the all-reduce fails the round too (it cannot tell a dead partner from a cut link); in
+larger groups one death before the checks leaves a majority that commits.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Iterable, Optional, Sequence
 
 from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PContext, P2PDaemonError
@@ -67,8 +72,9 @@ class ReducerDigests:
 class Verification:
     """What one member knows of one group's digests: its own (once its all-reduce ended), and the others'."""
 
-    def __init__(self, peer_ids: Sequence, names: Sequence[str], me: int):
+    def __init__(self, peer_ids: Sequence, names: Sequence[str], me: int, apart: Iterable[int] = ()):
         self.peer_ids, self.names, self.me = list(peer_ids), list(names), me
+        self.apart = set(apart) - {me}  # members that can never reach us nor we them (client mode, both)
         self.own: asyncio.Future = asyncio.get_event_loop().create_future()  # our digests, or why we have none
         self.views: dict[int, list[bytes]] = {}
         self.failures: dict[int, str] = {}
@@ -118,6 +124,11 @@ class Verification:
         missing = self.expected - set(self.views) - set(self.unreached)
         if missing:
             return f"no part digests from member(s) {sorted(self.names[j] for j in missing)} in time"
+        electorate = len(self.peer_ids) - len(self.apart)
+        confirmed = 1 + len(set(self.views) - self.apart)
+        if 2 * confirmed <= electorate:
+            return (f"only {confirmed} of the group's {electorate} members, ourselves included, confirmed these "
+                    f"averages: not a majority (could not reach {sorted(self.names[j] for j in self.unreached)})")
         return None
 
 
@@ -132,8 +143,8 @@ class PartVerifier:
     _verifications: dict  # group id -> Verification, or a future of one while a call waits for it to open
     _verify_until: float = 0.0  # time.monotonic() when the all-reduce in progress must be over
 
-    def _open_verification(self, group_info, names: Sequence[str]) -> Verification:
-        v = Verification(group_info.peer_ids, names, group_info.peer_ids.index(self.peer_id))
+    def _open_verification(self, group_info, names: Sequence[str], apart: Iterable[int] = ()) -> Verification:
+        v = Verification(group_info.peer_ids, names, group_info.peer_ids.index(self.peer_id), apart)
         waiting = self._verifications.get(group_info.group_id)
         self._verifications[group_info.group_id] = v
         if isinstance(waiting, asyncio.Future) and not waiting.done():
