@@ -14,6 +14,14 @@ from p2p_diloco.ops.doctor import SPEED_PER_PEER, SPEED_PROOF_BYTES, SPEED_PROTO
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 KEYS = AccessKeys.derive(b"the swarm's secret")
+# the server closes a refused stream unanswered, with the caller's upload still unread: the caller sees the end of
+# the stream (IncompleteReadError) or, when its upload reached the closed side first, a reset (ConnectionResetError;
+# CI saw both); either way a failure, never a measurement
+CLOSED_UNANSWERED = ("IncompleteReadError", "ConnectionResetError")
+
+
+def _closed_unanswered(outcome) -> bool:
+    return isinstance(outcome, str) and outcome.startswith(CLOSED_UNANSWERED)
 
 
 async def _node(initial_peers=()):
@@ -48,7 +56,7 @@ def test_a_private_bootstrap_serves_its_speed_test_to_members_only(process_tag):
     measured, refused, count = asyncio.run(_private_scenario())
     assert isinstance(measured, tuple) and all(s > 0 for s in measured), measured
     for outcome in refused:  # the stream closes unanswered: the query reports a failure, never a measurement
-        assert isinstance(outcome, str) and "IncompleteReadError" in outcome, outcome
+        assert _closed_unanswered(outcome), outcome
     assert count == 3
 
 
@@ -85,6 +93,6 @@ async def _open_scenario():
 @pytest.mark.timeout(120)
 def test_speed_tests_are_bounded_per_peer_not_refused_to_others(process_tag):
     over_limit, others_served, again = asyncio.run(_open_scenario())
-    assert isinstance(over_limit, str) and "IncompleteReadError" in over_limit, over_limit
+    assert _closed_unanswered(over_limit), over_limit
     assert isinstance(others_served, tuple), others_served
     assert isinstance(again, tuple), f"the slot was never given back: {again}"
