@@ -44,6 +44,7 @@ from p2p_diloco.net.exchange import Exchange
 from p2p_diloco.ops import outputs
 from p2p_diloco.ops.faults import HOLD_FILE, parse_fault
 from p2p_diloco.ops.metrics import MetricsSink, build_sink, throughput_text
+from p2p_diloco.ops.standing import StandingSink
 from p2p_diloco.train.global_state import GlobalState
 from p2p_diloco.train.inner import evaluate
 from p2p_diloco.train.model import count_parameters, model_fingerprint
@@ -341,7 +342,12 @@ class Peer:
                                         last_bytes=result.bytes_sent + result.bytes_received, last_steps=steps,
                                         last_round=self.round if committed else self.round + 1,
                                         last_planned_steps=self.rounds.planned if steps else 0,
-                                        last_loss=train_loss if 0 < train_loss < 1e4 else 0.0)  # NaN: none
+                                        last_loss=train_loss if 0 < train_loss < 1e4 else 0.0,  # NaN: none
+                                        missed_rounds=self._missed_rounds())
+
+    def _missed_rounds(self) -> int:
+        """Rounds the run committed since our last committed round, as our log counts them (ops/standing.py)."""
+        return next((s.standing.missed for s in getattr(self.metrics, "sinks", ()) if isinstance(s, StandingSink)), 0)
 
     def _evaluate(self) -> float:
         """Held-out loss of θ_global."""

@@ -60,6 +60,8 @@ def test_a_valid_roster_entry_parses_to_its_status():
     ({"name": "x" * 1000}, "name is not a string"),
     ({"name": None}, "name is not a string"),
     ({"reachability": "everywhere"}, "reachability is unknown"),
+    ({"missed_rounds": -3}, "missed_rounds out of range"),
+    ({"missed_rounds": "many"}, "missed_rounds is not an integer"),
     ({"peer_id": B.peer_id_b58}, "peer_id differs from the subkey"),
 ])
 def test_a_bad_field_is_refused_with_its_reason(changes, reason):

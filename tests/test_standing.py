@@ -89,6 +89,29 @@ def test_status_names_the_peers_the_run_commits_without():
                                       "6 behind")
     up_to_date = describe_run("run_abc", roster[:3])
     assert "NOT IN THE RUN" not in render({"run_id": "r", "time": 0.0, "runs": [up_to_date]})
+    # a peer that holds the run's round by downloading it every round, without committing any: its own count
+    roster[1].missed_rounds = 5
+    roster[2].missed_rounds = 2  # under the threshold: not named
+    table = render({"run_id": "r", "time": 0.0, "runs": [describe_run("run_abc", roster[:3])]})
+    assert table.splitlines()[-1] == "  NOT IN THE RUN (round 16): peer1 at round 16, committed none of the last 5 " \
+                                     "(downloads them)"
+
+
+def test_a_peer_publishes_the_rounds_the_run_committed_without_it():
+    """The count its log warns about (ops/standing.py) is what its roster entry carries (peer.py _report)."""
+    from types import SimpleNamespace
+
+    from p2p_diloco.ops.metrics import FanOut
+    from p2p_diloco.ops.standing import StandingSink
+    from p2p_diloco.peer import Peer
+
+    sink = StandingSink(logging.getLogger("test"))
+    peer = SimpleNamespace(metrics=FanOut([sink]))
+    for run_round in (6, 7, 8, 9):  # our round stays 5; the run commits 6..9 without us
+        sink.log({"event": "round", "round": 5, "committed": False, "run/round": run_round})
+    assert Peer._missed_rounds(peer) == 3
+    sink.log({"event": "round", "round": 10, "committed": True, "run/round": 10})
+    assert Peer._missed_rounds(peer) == 0
 
 
 def test_metrics_jsonl_rotates_and_its_readers_read_both_files(tmp_path):

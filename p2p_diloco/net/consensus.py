@@ -32,6 +32,9 @@ class PeerStatus:
     last_steps: int = 0
     last_planned_steps: int = 0
     last_loss: float = 0.0          # 0: none yet
+    # rounds the run committed since this peer's last committed round (ops/standing.py): a peer that catches up by
+    # download every round holds the run's θ_global round without ever committing one; `status` shows it from this
+    missed_rounds: int = 0
 
 
 @dataclass

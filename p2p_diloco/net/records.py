@@ -147,7 +147,7 @@ def roster_entry(subkey: Any, value: Any) -> PeerStatus:
         "leaving": flag, "donor": flag, "tokens_per_s": real, "tokens_trained": integer, "last_bytes": integer,
         "last_allreduce_s": lambda x, w: real(x, w, 0.0, MAX_SECONDS), "steps_per_s": real,
         "last_round": lambda x, w: integer(x, w, 0, MAX_ROUND), "last_steps": integer, "last_planned_steps": integer,
-        "last_loss": lambda x, w: real(x, w, 0.0, MAX_LOSS),
+        "last_loss": lambda x, w: real(x, w, 0.0, MAX_LOSS), "missed_rounds": lambda x, w: integer(x, w, 0, MAX_ROUND),
         "reachability": lambda x, w: text(x, w, 16) if x in REACHABILITY else _raise(f"{w} is unknown")}
     for name, check in checks.items():
         if name in v and name in _STATUS_FIELDS:

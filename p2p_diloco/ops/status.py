@@ -81,11 +81,18 @@ def render(view: dict) -> str:
             lines.append(f"  {p['name'][:16]:<16} {p['round']:>5}  {p['digest'][:12]:<12}  {p['state']:<7} "
                          f"{_si(p['tokens_per_s']):>8} {_si(p['tokens_trained']):>7}  {last:>15} "
                          f"{p['reachability'] or '-':<12} {'yes' if p['leaving'] else 'no'}")
-        out = [p for p in run["peers"] if not p["leaving"] and p.get("rounds_behind", 0) >= MISSED_ROUNDS_WARN]
+        out = [p for p in run["peers"] if not p["leaving"] and max(p.get("rounds_behind", 0),
+                                                                   p.get("missed_rounds", 0)) >= MISSED_ROUNDS_WARN]
         if out:  # the run commits without them (each says so in its own log too: ops/standing.py)
-            lines.append(f"  NOT IN THE RUN (round {run['round']}): " + ", ".join(
-                f"{p['name'][:16]} at round {p['round']}, {p['rounds_behind']} behind" for p in out))
+            lines.append(f"  NOT IN THE RUN (round {run['round']}): " + ", ".join(map(_out_of_run, out)))
     return "\n".join(lines)
+
+
+def _out_of_run(p: dict) -> str:
+    if p.get("rounds_behind", 0) >= MISSED_ROUNDS_WARN:
+        return f"{p['name'][:16]} at round {p['round']}, {p['rounds_behind']} behind"
+    # it holds the run's round, by download: its own count says the run committed them without it
+    return f"{p['name'][:16]} at round {p['round']}, committed none of the last {p['missed_rounds']} (downloads them)"
 
 
 def _si(x: float) -> str:
