@@ -329,3 +329,24 @@ def test_membership_remembers_the_runs_round_and_the_peer_sits_out_until_it_hold
     state.round, state.digest = 1, "r1"  # (a peer at round 1 again:) every holder of round 2 or later is gone
     assert me.behind([_s("peer0", 3, "r3"), _s("peer1", 2, "r2")]).round == 2 and me.known_round == 2
     assert me.behind([_s("new1", 1, "r1")]) is None and me.known_round == 0, "forgotten with its last holder"
+
+
+def test_a_strangers_far_claim_seen_first_is_dropped_once_the_runs_peers_are_seen():
+    """CI's roster-attack test: peer0 started when the roster held only an outsider's entry claiming round 10^9;
+    it followed it (a fresh peer's only other entry) and, remembering it, sat out every round while the outsider's
+    entry lived. Once the run's own peers are in the roster the claim is far above anything credible: forgotten."""
+    import threading
+    from types import SimpleNamespace
+
+    from p2p_diloco.config import load_config
+    from p2p_diloco.net import membership as membership_module
+
+    evil = _s("evil", 10 ** 9, "e")
+    state = SimpleNamespace(round=0, digest="r0", params=[])
+    me = membership_module.Membership(load_config(), None, SimpleNamespace(peer_id="id-peer0"), "run", "peer0",
+                                      state, "fp", None, threading.Event())
+    assert me.behind([evil]).round == 10 ** 9 and me.known_round == 10 ** 9  # nothing else to go by
+    assert me.behind([evil, _s("peer1", 0, "r0"), _s("peer2", 0, "r0")]) is None and me.known_round == 0
+    assert sync_target(_s("peer0", 0, "r0"), [evil, _s("peer1", 0, "r0")], known_round=10 ** 9) is None
+    # a remembered round at most LATER_DONORS above the credible one still stands (the straggler's case above)
+    assert sync_target(_s("new0", 1, "r1"), [_s("peer0", 3, "r3"), _s("new1", 1, "r1")], known_round=3).round == 3

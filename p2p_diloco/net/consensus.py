@@ -81,6 +81,16 @@ def credible_rounds(me: PeerStatus, others: Sequence[PeerStatus]) -> set[int]:
 LATER_DONORS = 2  # rounds past the target whose holders are tried after its own holders (see sync_target)
 
 
+def remembered(known_round: int, latest: int, others: Sequence[PeerStatus]) -> bool:
+    """Whether a round this peer saw as the run's (``known_round``) still stands above the latest credible round:
+    while some live peer holds it or a later one, and only up to :data:`LATER_DONORS` rounds above it. The bound is
+    the one the donors have, for the same reason: a peer that joined when the roster held nothing but a stranger's
+    claim of round 10^9 followed it (one other entry is all a fresh peer can go by); once the run's peers are in
+    the roster, that claim is far above anything credible and is dropped (CI's roster-attack test: the peer sat out
+    every round while the stranger's entry lived)."""
+    return latest < known_round <= latest + LATER_DONORS and any(s.round >= known_round for s in others)
+
+
 def sync_target(me: PeerStatus, roster: Sequence[PeerStatus], known_round: int = 0) -> Optional[SyncTarget]:
     """None if ``me`` holds the run's current state, else the state to fetch and who can serve it.
 
@@ -99,7 +109,7 @@ def sync_target(me: PeerStatus, roster: Sequence[PeerStatus], known_round: int =
     run's round is repaired at that round as soon as the run's peers there outnumber it."""
     others = [s for s in roster if not s.leaving and s.peer_id != me.peer_id]
     latest = max(credible_rounds(me, others))
-    if known_round > latest and any(s.round >= known_round for s in others):
+    if remembered(known_round, latest, others):
         latest = known_round
     live = [s for s in others if s.round == latest] + [me]
     at_latest = Counter((s.round, s.digest) for s in live if s.round == latest)

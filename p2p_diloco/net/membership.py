@@ -26,7 +26,8 @@ import torch
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.config import Config, ConfigError, shared_settings
-from p2p_diloco.net.consensus import PeerStatus, SyncTarget, finished_without, majority_state, sync_target
+from p2p_diloco.net.consensus import (PeerStatus, SyncTarget, credible_rounds, finished_without, majority_state,
+                                      remembered, sync_target)
 from p2p_diloco.net.dht import reconnect, redial
 from p2p_diloco.net.keys import (publish_finished, publish_run_index, publish_run_settings, publish_status,
                                  read_finished, read_roster_expiring)
@@ -244,8 +245,8 @@ class Membership:
         bytes for our round and some donor serves it; else None. A round the run reached is remembered
         (:attr:`known_round`) until we hold it or no live peer holds it or a later one."""
         me = self.status()
-        if self.known_round <= me.round or not any(s.round >= self.known_round for s in live_roster
-                                                   if s.peer_id != me.peer_id and not s.leaving):
+        others = [s for s in live_roster if s.peer_id != me.peer_id and not s.leaving]
+        if self.known_round <= me.round or not remembered(self.known_round, max(credible_rounds(me, others)), others):
             self.known_round = 0
         target = sync_target(me, live_roster, self.known_round)
         if target is None:
