@@ -348,5 +348,16 @@ def test_a_strangers_far_claim_seen_first_is_dropped_once_the_runs_peers_are_see
     assert me.behind([evil]).round == 10 ** 9 and me.known_round == 10 ** 9  # nothing else to go by
     assert me.behind([evil, _s("peer1", 0, "r0"), _s("peer2", 0, "r0")]) is None and me.known_round == 0
     assert sync_target(_s("peer0", 0, "r0"), [evil, _s("peer1", 0, "r0")], known_round=10 ** 9) is None
+    # and it does not wait for its expected peers only until one entry past round 0 shows up: most must be
+    waits = []
+    me.stop_event = SimpleNamespace(wait=waits.append, is_set=lambda: len(waits) >= 3)  # stopped after 3 polls
+    me.live_roster = lambda: [evil, me.status()]
+    me.cfg.run.expected_peers = 3
+    me.wait_for_expected_peers()
+    assert len(waits) == 3, "it left the wait on one claim of a round past 0"
+    waits.clear()
+    me.live_roster = lambda: [_s("peer1", 4, "r4"), _s("peer2", 4, "r4"), me.status()]
+    me.wait_for_expected_peers()
+    assert waits == [], "two of three expected peers are past round 0: the run started without us"
     # a remembered round at most LATER_DONORS above the credible one still stands (the straggler's case above)
     assert sync_target(_s("new0", 1, "r1"), [_s("peer0", 3, "r3"), _s("new1", 1, "r1")], known_round=3).round == 3
