@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing as mp
 import os
 import threading
 import weakref
@@ -160,6 +161,20 @@ def close_host_side(helper, join_s: float = 1.0) -> None:
     popen = getattr(helper, "_popen", None)
     if popen is not None:  # multiprocessing's sentinel pipe, two descriptors (the exit code is known: is_alive,
         popen.close()      # join and exitcode still answer, unlike after Process.close())
+
+
+def fresh_shared_locks() -> None:
+    """Before the helpers of a new network stack are forked, once the old ones are gone: new process-shared locks
+    for hivemind's futures. MPFuture guards the pipe its futures report through (and SharedBytes the allocation of
+    their shared state) with ``mp.Lock``s created once in the main process and inherited by every helper it forks.
+    A helper killed while it held one (SIGKILL, the OOM killer) leaves it held for good, and every helper forked
+    later blocks on it the first time it answers a future: a new DHT process never became ready ("could not join the
+    swarm within 30 s" with no initial peers, in CI after a test killed helpers). hivemind's own last resort,
+    ``MPFuture.reset_backend``, replaces the same three locks and also the backend's pipe and thread, which the old
+    futures would keep open; only the locks are needed here."""
+    from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+    MPFuture._initialization_lock, MPFuture._update_lock, SharedBytes._lock = mp.Lock(), mp.Lock(), mp.Lock()
 
 
 def _raw(pipe):
