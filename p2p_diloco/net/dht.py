@@ -51,7 +51,11 @@ class DHT(FailFast, hivemind.DHT):
         _configure_p2pd(self._p2pd_flags)
         if self.kwargs.get("authorizer") is not None:
             bind_remote_peers()  # a private run: the authorizer refuses revoked senders (net/security/auth.py)
+        self._inner_pipe = _RequestsIn(self._inner_pipe)
         super().run()
+
+    async def _dropped(self, node=None) -> None:
+        """What a request that could not be read becomes (:class:`_RequestsIn`): nothing."""
 
     def shutdown(self) -> None:
         """hivemind's, but our end of the pipe is closed after the process ended, not right after the request: closed
@@ -76,6 +80,32 @@ class DHT(FailFast, hivemind.DHT):
 
     def terminate(self) -> None:
         end_hard(self)  # hivemind's fallback when shutdown() timed out: this process ignores SIGTERM
+
+
+class _RequestsIn:
+    """The DHT process's end of its request pipe, read in ``hivemind.DHT.run``, where a request that cannot be read
+    costs ``wait_timeout`` (3 s) of sleep with no request served. One cannot be read when the process that sent it
+    has ended since: its futures and pipe travel as file descriptors that the reader fetches from the sender
+    (multiprocessing's resource sharer), and the averager's process, which stores its records through this DHT, is
+    shut down right before it when a peer stops (FileNotFoundError, ConnectionResetError). The sleep held up the
+    DHT's own shutdown request past its 3 s grace, and two peers stopping at once past their 12 s (CI). Such a
+    request is dropped at once: its sender is gone and waits for no answer."""
+
+    def __init__(self, pipe):
+        self._pipe = pipe
+
+    def fileno(self) -> int:
+        return self._pipe.fileno()
+
+    def poll(self, *args) -> bool:
+        return self._pipe.poll(*args)
+
+    def recv(self):
+        try:
+            return self._pipe.recv()
+        except (OSError, ConnectionError, RuntimeError) as e:  # what hivemind's loop catches, minus its sleep
+            logger.debug(f"a request whose sender has gone was dropped: {e!r}")
+            return "_dropped", [], {}
 
 
 # ---------------------------------------------------------------------------------------------- p2pd settings
