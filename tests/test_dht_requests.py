@@ -39,4 +39,4 @@ def test_a_request_from_a_process_that_has_ended_is_dropped_and_the_next_is_serv
         assert not dht.is_alive()
     finally:
         if dht.is_alive():
-            join_or_kill(dht, 1)
+            join_or_kill([dht], 1)
