@@ -43,6 +43,7 @@ from p2p_diloco.net import joining
 from p2p_diloco.net.exchange import Exchange
 from p2p_diloco.ops import outputs
 from p2p_diloco.ops.faults import HOLD_FILE, parse_fault
+from p2p_diloco.ops.stop import STOP_GRACE_S
 from p2p_diloco.ops.metrics import MetricsSink, build_sink, throughput_text
 from p2p_diloco.ops.standing import StandingSink
 from p2p_diloco.train.global_state import GlobalState
@@ -361,6 +362,7 @@ class Peer:
         if self._closed:
             return
         self._closed = True
+        closing = time.monotonic()
         if self.supervisor is not None:
             self.supervisor.close()  # what follows shuts the helpers down on purpose
         try:
@@ -377,18 +379,38 @@ class Peer:
             if hasattr(self, "replica"):
                 self.replica.close()  # ranks > 0 of a multi-GPU peer stop
                 self.data.train.close()
+            # the helpers' graceful shutdowns share what is left of the stop's time (ops/stop.py): each waits up to
+            # its own grace and is then killed, and the averager's 5 s plus the DHT's 3 + 3 s after a slow leave
+            # could pass the 12 s, ending the process (exit 143) before its DHT was shut down
             if self.averager is not None and hasattr(self.averager, "close"):
-                _step(self.log, "the averager's shutdown", self.averager.close)
+                grace = _share(closing, 0.4, 5.0)
+                _step(self.log, "the averager's shutdown", lambda: self.averager.close(timeout=grace))
             if self.dht is not None:
+                self.dht.shutdown_timeout = _share(closing, 0.4, 3.0)
                 _step(self.log, "the DHT's shutdown", self.dht.shutdown)
             self.metrics.close()
 
 
+CLOSE_S = STOP_GRACE_S - 2.0
+"""What :meth:`Peer.close` plans to take at most, inside the stop's grace with room for the process's own end."""
+
+
+def _share(started: float, part: float, most: float) -> float:
+    """A helper's grace: ``part`` of what is left of :data:`CLOSE_S` since ``started``, at most ``most``, at least
+    0.5 s."""
+    return max(0.5, min(most, part * (CLOSE_S - (time.monotonic() - started))))
+
+
 def _step(log, what: str, action) -> None:
     """One step of :meth:`Peer.close` that may meet a dead helper (a signal to our whole process group ends p2pd
-    at once): said in one line, and the rest of the close goes on."""
+    at once): said in one line, and the rest of the close goes on. One that took long is said too: a stop that ran
+    past its grace shows where its time went."""
+    began = time.monotonic()
     try:
         action()
     except Exception as e:  # noqa: BLE001 - whatever a dead network stack raises
         log.warning(f"{what} failed: {e!r}")
+    took = time.monotonic() - began
+    if took >= 1.0:
+        log.info(f"{what} took {took:.1f} s")
 

@@ -52,7 +52,7 @@ class FakeAverager:
     def observe_round(self, seconds):
         pass
 
-    def close(self):
+    def close(self, timeout=None):
         pass
 
 

@@ -268,12 +268,15 @@ class Averager:
             return f"the averager process died (exit {self._averager.exitcode})"
         return self.gone
 
-    def close(self) -> None:
+    def close(self, timeout: Optional[float] = None) -> None:
+        """End the averager's process: gracefully within ``timeout`` seconds (its own 5 s if None), else killed."""
         if self._averager.is_alive():
             if self.gone is not None:  # its p2pd or DHT is gone: a graceful shutdown could only time out
                 self._averager.kill()
                 self._averager.join(5)
             else:
+                if timeout is not None:
+                    self._averager.shutdown_timeout = timeout
                 self._averager.shutdown()
 
     def release(self) -> None:
