@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from p2p_diloco.config import Config
-from p2p_diloco.net import joining
+from p2p_diloco.net import consensus, joining
 from p2p_diloco.net.exchange import Exchange
 from p2p_diloco.ops import outputs
 from p2p_diloco.ops.faults import HOLD_FILE, parse_fault
@@ -241,6 +241,11 @@ class Peer:
         if rounds is not None and self.round + self.exchange.in_flight >= rounds:
             self._drain()  # overlap: the last round's all-reduce; if it fails, one more round goes out
         if self._last_round_held():
+            return True
+        if self.exchange.run_size.given_up:  # net/consensus.py RunSize: no second final θ_global
+            self.log.warning(f"the run's last round found no quorum in {consensus.FORGET_AFTER} attempts (the run "
+                             f"had {self.exchange.run_size.floor} peers or more): the others finished without us or "
+                             f"are gone; stopping at round {self.round}")
             return True
         return self.membership is not None and self.membership.run_is_over(roster)
 

@@ -150,6 +150,22 @@ def test_run_size_keeps_the_largest_committed_group_until_quorum_keeps_failing()
     assert size.electorate(5) == 5
 
 
+
+def test_at_the_last_round_the_run_size_is_kept_and_the_peer_gives_up_instead():
+    """Stragglers that missed the run's last round see only each other once the finishers' entries expire: they
+    must not forget the run's size and commit a last round of their own (16-peer swarm: a second final θ_global)."""
+    from p2p_diloco.net.consensus import FORGET_AFTER, RunSize
+
+    size = RunSize(floor=16)
+    size.committed(11)
+    size.no_quorum(final=True)
+    size.committed(11)                   # a commit in between: failures count in a row
+    for _ in range(FORGET_AFTER - 1):
+        size.no_quorum(final=True)
+    assert size.electorate(2) == 16 and not size.given_up
+    size.no_quorum(final=True)
+    assert size.given_up and size.electorate(2) == 16, "the bound is kept: a group of 2 never finds a quorum"
+
 def test_one_entry_claiming_a_far_round_is_not_followed():
     me, honest = _s("a", 10, "x"), [_s("b", 10, "x"), _s("c", 10, "x")]
     assert sync_target(me, [*honest, _s("evil", 10 ** 9, "e")]) is None

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class FakeAverager:
-    """A group of one whose outcome per round is scripted: 'ok', 'fail' or 'nan'. Records every call."""
+    """A group of one whose outcome per round is scripted: 'ok', 'fail', 'noquorum' or 'nan'. Records every call."""
 
     peer_id = "fake-peer-id"
     error_feedback = None  # or an ErrorFeedback whose pending residual each call sets to 0.001 x its number
@@ -42,6 +42,8 @@ class FakeAverager:
         outcome = self.outcomes.pop(0)
         if outcome == "fail":
             return AverageResult(ok=False, error="injected failure")
+        if outcome == "noquorum":
+            return AverageResult(ok=False, error="all-reduce failed: NoQuorum('no quorum: injected')")
         if outcome == "nan":
             self.buffers[0].view(-1)[0] = float("nan")
         return AverageResult(ok=True, group_size=1, peers=[contribution.name], tokens=contribution.tokens)
@@ -487,4 +489,20 @@ def test_a_peer_that_catches_up_to_the_last_round_contributes_no_round_after_it(
     peer.run()
     assert peer.round == 2 and len(catch_ups) == 4
     assert [c.round for c, _, _ in fake.calls] == [0], "no contribution after catching up to the last round"
+    peer.close()
+
+
+def test_a_peer_whose_last_round_finds_no_quorum_stops_one_round_short_instead_of_forgetting_the_runs_size(
+        tmp_path, caplog):
+    """Before the last round, FORGET_AFTER attempts without quorum make a peer forget the run's size and go on
+    with whom it sees; at the last round it stops instead (net/consensus.py RunSize): its group could otherwise
+    commit a second final θ_global beside the one the finishers committed."""
+    from p2p_diloco.net.consensus import FORGET_AFTER
+
+    peer, fake = _peer(tmp_path, ["ok", *["noquorum"] * FORGET_AFTER, "ok"], rounds=2)
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco"):
+        peer.run()
+    assert peer.round == 1 and len(fake.calls) == 1 + FORGET_AFTER
+    assert [c.round for c, _, _ in fake.calls] == [0, 1, 1, 1]
+    assert "the run's last round found no quorum" in caplog.text and "stopping at round 1" in caplog.text
     peer.close()

@@ -208,9 +208,17 @@ class RunSize:
     """A peer's lower bound on the run's size, kept across rounds: the largest group it committed with (and
     ``run.expected_peers`` before any), so that a roster read that misses peers (a loaded DHT answers in part) does
     not shrink the quorum. A run that really shrank (more than half of a group gone at once) fails
-    :data:`FORGET_AFTER` attempts without quorum, then its peers forget the bound and go by what they see."""
+    :data:`FORGET_AFTER` attempts without quorum, then its peers forget the bound and go by what they see.
+
+    Except at the run's last round (``final``): there the bound is kept, and after :data:`FORGET_AFTER` attempts
+    without quorum the peer has :attr:`given_up`. Peers that miss the last round while the others commit it and
+    leave see a run of two or three once those entries expire, and the finished records may have gone with the
+    finishers' DHT nodes; forgetting, they committed a last round of their own, a second final θ_global (a 16-peer
+    swarm: 14 peers on one, 2 on another). A run whose other peers really died at its last round ends one round
+    short instead, every peer on the same θ_global."""
     floor: int = 0
     failures: int = 0
+    given_up: bool = False
 
     def electorate(self, seen: int) -> int:
         return max(seen, self.floor)
@@ -218,7 +226,10 @@ class RunSize:
     def committed(self, group: int) -> None:
         self.floor, self.failures = max(self.floor, group), 0
 
-    def no_quorum(self) -> None:
+    def no_quorum(self, final: bool = False) -> None:
         self.failures += 1
         if self.failures >= FORGET_AFTER:
-            self.floor, self.failures = 0, 0
+            if final:
+                self.given_up = True
+            else:
+                self.floor, self.failures = 0, 0

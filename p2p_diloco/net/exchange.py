@@ -126,7 +126,8 @@ class Exchange:
                 self.run_size.committed(result.group_size)
                 self.last_group = (self.peer.round, frozenset(result.peers))
             elif result.error and "NoQuorum" in result.error:
-                self.run_size.no_quorum()
+                rounds = self.peer.cfg.run.rounds
+                self.run_size.no_quorum(final=rounds is not None and self.peer.round + 1 >= rounds)
             settled = Settled(result, arrived, pending.waited, time.perf_counter())
         if self.overlap is not None:
             share = self.share or 1.0 / self.peers  # before any commit: an equal share
