@@ -247,9 +247,10 @@ def test_web_shows_the_steps_and_loss_that_roster_records_carry():
 
     peer = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
     record = {"name": "p", "peer_id": peer, "round": 2, "digest": "ab" * 32, "last_round": 2, "last_steps": 9,
-              "last_planned_steps": 12, "last_loss": 3.25}
+              "last_planned_steps": 12, "last_loss": 3.25, "missed_rounds": 4}
     row = web_view.peer_row({**asdict(roster_entry(peer, record)), "state": "agrees"}, 0.0)
     assert (row["last_round"], row["steps_done"], row["steps_planned"], row["loss"]) == (2, 9, 12, 3.25)
+    assert row["missed_rounds"] == 4
     old = {k: v for k, v in record.items() if not k.startswith("last_")}
     row = web_view.peer_row({**asdict(roster_entry(peer, old)), "state": "agrees"}, 0.0)
     assert row["loss"] is None and row["steps_done"] is None and row["steps_planned"] is None

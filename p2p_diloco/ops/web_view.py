@@ -64,6 +64,8 @@ def peer_row(p: dict, last_seen: float) -> dict:
             "last_round": count(p.get("last_round")) or None,  # the round those steps, this loss and all-reduce are about
             "loss": number(p.get("last_loss")) or None,  # 0: the peer has none yet
             "allreduce_s": number(p.get("last_allreduce_s")),
+            # rounds the run committed since its last committed one (ops/standing.py): a peer only downloading them
+            "missed_rounds": count(p.get("missed_rounds")),
             "bytes": number(p.get("last_bytes")), "last_seen": last_seen}
 
 

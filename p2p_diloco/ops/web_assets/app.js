@@ -56,12 +56,15 @@ function peerRow(p, now) {
     [cut(p.name, NAME_CHARS), "peer-name"], [p.state, "state-" + cut(p.state, 16)], [num(p.round), "num peer-round"],
     [cut(p.digest, DIGEST_CHARS), "digest"], [cut(p.reachability, 16)], [num(p.tokens_per_s), "num"],
     [num(p.steps_per_s, 2), "num"], [num(p.last_round), "num"], [steps, "num"], [num(p.loss, 3), "num"], [num(p.allreduce_s, 2), "num"],
+    [num(p.missed_rounds), p.missed_rounds >= MISSED_ROUNDS_WARN ? "num missed" : "num"],
     [ago(now, p.last_seen)], [p.leaving ? "yes" : "no"],
   ]);
 }
 
+// rounds the run committed without a peer before its row is marked (ops/standing.py MISSED_ROUNDS_WARN)
+const MISSED_ROUNDS_WARN = 3;
 const PEER_HEADERS = ["peer", "state", "round", "digest", "reachability", "tokens/s", "steps/s", "last round",
-  "steps done / planned", "loss", "all-reduce s", "last seen", "leaving"];
+  "steps done / planned", "loss", "all-reduce s", "missed rounds", "last seen", "leaving"];
 
 function roundRow(r) {
   const digests = r.digests.slice(0, 4).map((d) => {
