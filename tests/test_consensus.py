@@ -375,5 +375,12 @@ def test_a_strangers_far_claim_seen_first_is_dropped_once_the_runs_peers_are_see
     me.live_roster = lambda: [_s("peer1", 4, "r4"), _s("peer2", 4, "r4"), me.status()]
     me.wait_for_expected_peers()
     assert waits == [], "two of three expected peers are past round 0: the run started without us"
+    me.live_roster = lambda: [_s("peer1", 0, "r0"), evil, me.status()]
+    me.wait_for_expected_peers()
+    assert len(waits) == 3, "the stranger's entry was counted as the third expected peer (CI: two started alone)"
+    waits.clear()
+    me.live_roster = lambda: [_s("peer1", 0, "r0"), _s("peer2", 0, "r0"), evil, me.status()]
+    me.wait_for_expected_peers()
+    assert waits == [], "the three expected peers are present"
     # a remembered round at most LATER_DONORS above the credible one still stands (the straggler's case above)
     assert sync_target(_s("new0", 1, "r1"), [_s("peer0", 3, "r3"), _s("new1", 1, "r1")], known_round=3).round == 3
