@@ -11,6 +11,7 @@ import os
 import re
 import time
 from dataclasses import replace
+from multiprocessing.reduction import ForkingPickler
 from typing import Optional, Sequence
 
 import hivemind
@@ -101,9 +102,11 @@ class _RequestsIn:
         return self._pipe.poll(*args)
 
     def recv(self):
+        message = self._pipe.recv_bytes()  # EOFError here: the pipe itself is closed (our peer is gone), as before
         try:
-            return self._pipe.recv()
-        except (OSError, ConnectionError, RuntimeError) as e:  # what hivemind's loop catches, minus its sleep
+            return ForkingPickler.loads(message)
+        except (OSError, EOFError, RuntimeError) as e:  # EOFError: the sender died within the fetch (CI: it ended
+            # the DHT's process, which hivemind's loop does not catch)
             logger.debug(f"a request whose sender has gone was dropped: {e!r}")
             return "_dropped", [], {}
 
