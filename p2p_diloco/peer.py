@@ -43,7 +43,7 @@ from p2p_diloco.net import consensus, joining
 from p2p_diloco.net.exchange import Exchange
 from p2p_diloco.ops import outputs
 from p2p_diloco.ops.faults import HOLD_FILE, parse_fault
-from p2p_diloco.ops.stop import STOP_GRACE_S
+from p2p_diloco.ops.stop import grace_left
 from p2p_diloco.ops.metrics import MetricsSink, build_sink, throughput_text
 from p2p_diloco.ops.standing import StandingSink
 from p2p_diloco.train.global_state import GlobalState
@@ -388,22 +388,12 @@ class Peer:
             # its own grace and is then killed, and the averager's 5 s plus the DHT's 3 + 3 s after a slow leave
             # could pass the 12 s, ending the process (exit 143) before its DHT was shut down
             if self.averager is not None and hasattr(self.averager, "close"):
-                grace = _share(closing, 0.4, 5.0)
+                grace = grace_left(closing, 0.4, 5.0)
                 _step(self.log, "the averager's shutdown", lambda: self.averager.close(timeout=grace))
             if self.dht is not None:
-                self.dht.shutdown_timeout = _share(closing, 0.4, 3.0)
+                self.dht.shutdown_timeout = grace_left(closing, 0.4, 3.0)
                 _step(self.log, "the DHT's shutdown", self.dht.shutdown)
             self.metrics.close()
-
-
-CLOSE_S = STOP_GRACE_S - 2.0
-"""What :meth:`Peer.close` plans to take at most, inside the stop's grace with room for the process's own end."""
-
-
-def _share(started: float, part: float, most: float) -> float:
-    """A helper's grace: ``part`` of what is left of :data:`CLOSE_S` since ``started``, at most ``most``, at least
-    0.5 s."""
-    return max(0.5, min(most, part * (CLOSE_S - (time.monotonic() - started))))
 
 
 def _step(log, what: str, action) -> None:

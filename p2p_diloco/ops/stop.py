@@ -19,12 +19,16 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
 STOP_GRACE_S = 12.0
 """Longest clean stop, in seconds, before the process ends itself: inside the 15 s an operator (or systemd's, Docker's
 or Kubernetes' grace period, 10 to 90 s) may give, with room for the helpers to die with it."""
+
+CLOSE_S = STOP_GRACE_S - 2.0
+"""What a peer's clean close plans to take at most: inside the grace, with room for the process's own end."""
 
 logger = logging.getLogger("p2p_diloco")
 _unhurried = threading.Condition()  # guards _writes: blocks under way that a stop's deadline lets finish
@@ -69,6 +73,12 @@ def _deadline(name: str, code: int, grace_s: float) -> None:
             _unhurried.wait_for(lambda: not _writes)
         logger.warning(f"the stop asked by {name} did not end within {grace_s:.0f} s: exiting now")
         force_exit(code)
+
+
+def grace_left(started: float, part: float, most: float) -> float:
+    """A helper's graceful shutdown time in a close begun at ``started`` (time.monotonic()): ``part`` of what is
+    left of :data:`CLOSE_S`, at most ``most`` (its own default), at least 0.5 s."""
+    return max(0.5, min(most, part * (CLOSE_S - (time.monotonic() - started))))
 
 
 @contextmanager
