@@ -248,6 +248,12 @@ def _start(cfg: NetworkConfig, access: Optional[Access], identity, identity_file
                             f"(network.initial_peers={','.join(cfg.initial_peers)})") from None
         except RuntimeError as e:  # hivemind: "DHTNode bootstrap failed: none of the initial_peers responded"
             dht.shutdown()
+            if time.monotonic() + JOIN_RETRY_S < deadline:  # a ping unanswered in 3 s: a loaded node (CI: the
+                # initial peer's DHT answering a Sybil flood on 2 cores), or one that refuses us: ask again until
+                # network.join_timeout, then say so
+                logger.info(f"no initial peer answered our ping yet; trying again in {JOIN_RETRY_S:.0f} s")
+                time.sleep(JOIN_RETRY_S)  # a node outside this process: no event to wait on
+                continue
             raise JoinError(f"no initial peer answered our DHT requests (a private run's nodes answer only holders "
                             f"of its secret: network.secret_file): {str(e).strip().splitlines()[-1][:200]}") from None
         except (P2PDaemonError, OSError, ValueError) as e:
