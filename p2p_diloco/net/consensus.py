@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 
 @dataclass
@@ -170,15 +170,45 @@ def with_my_group(me: PeerStatus, live: Sequence[PeerStatus], group: tuple[int, 
             for s in live]
 
 
-def designated_leader(me: PeerStatus, live: Sequence[PeerStatus]) -> str:
+def designated_leader(me: PeerStatus, live: Sequence[PeerStatus], passed_over: Collection[str] = ()) -> str:
     """The peer id that gathers this round's group: the smallest id among the peers at our round that can accept
-    connections (donors: client-mode peers cannot lead). Every peer that reads the same roster names the same
-    leader, so the run forms one group instead of several racing ones; a peer whose view differs still joins the
-    declared leader that hivemind orders first. A dead leader is replaced once its roster entry expires."""
+    connections (donors: client-mode peers cannot lead), leaving out those ``passed_over`` (:class:`Leaders`) while
+    any other can lead. Every peer that reads the same roster names the same leader, so the run forms one group
+    instead of several racing ones; a peer whose view differs still joins the declared leader that hivemind orders
+    first. A dead leader is replaced once its roster entry expires."""
     ids = {s.peer_id for s in live if s.round == me.round and not s.leaving and s.donor}
     if me.donor:
         ids.add(me.peer_id)
-    return min(ids) if ids else ""
+    return min(ids - set(passed_over) or ids) if ids else ""
+
+
+PASS_OVER_ROUNDS = 5  # rounds for which a leader that gathered no group is passed over (then it may lead again)
+
+
+@dataclass
+class Leaders:
+    """The leaders a peer passes over. A leader whose roster entry stays fresh but that gathered no group in a whole
+    matchmaking window (frozen, still in its inner steps, or unreachable: a home peer whose router came back without
+    its relayed connection) is passed over for :data:`PASS_OVER_ROUNDS` rounds, itself included when it led that
+    window: every peer that waited for it failed the same window and names the same next leader. Without this the
+    others named it every attempt while its entry lived (CI: a peer held in its inner steps with the smallest id
+    stalled round 1 of two others for 2 minutes; a home peer whose router failed stalled round 4 of two others until
+    the test gave up). A peer whose view differs loses one window, then agrees."""
+    until: dict = field(default_factory=dict)  # peer id -> the last round it is passed over in
+    named: tuple = (-1, "")  # (round, leader) our last contribution was gathered by
+
+    def name(self, me: PeerStatus, live: Sequence[PeerStatus]) -> str:
+        """This round's leader as :func:`designated_leader` names it, with the leaders passed over at our round."""
+        self.until = {peer: last for peer, last in self.until.items() if last >= me.round}
+        leader = designated_leader(me, live, self.until)
+        self.named = (me.round, leader)
+        return leader
+
+    def no_group(self) -> None:
+        """Our last contribution found no group: its leader is passed over (from the round it failed at)."""
+        round_, leader = self.named
+        if leader:
+            self.until[leader] = round_ + PASS_OVER_ROUNDS - 1
 
 
 def finished_without(rounds: int, others: Sequence[PeerStatus], recorded: Sequence[tuple[str, int]]) -> list[str]:

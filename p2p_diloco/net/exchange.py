@@ -80,6 +80,7 @@ class Exchange:
         self.run_size = consensus.RunSize(floor=peer.cfg.run.expected_peers)  # the quorum's floor (net/consensus.py)
         self.announced_speed = 0.0  # the inner-step speed we announced with our last contribution (DyLU)
         self.last_group: tuple[int, frozenset] = (0, frozenset())  # (round, member names) of our last commit
+        self.leaders = consensus.Leaders()  # the leaders we pass over after a window without a group
         self._live_modes: list[str] = []  # the live peers' reachability when it started (explanations)
         self.settle_after = peer.cfg.diloco.overlap_steps if self.overlap is not None else 0  # τ; 0: round's end
         self._early: Optional[Settled] = None  # settled after τ steps, returned by the round-end settle()
@@ -125,6 +126,8 @@ class Exchange:
             if arrived:
                 self.run_size.committed(result.group_size)
                 self.last_group = (self.peer.round, frozenset(result.peers))
+            elif result.error and "could not find a group" in result.error:
+                self.leaders.no_group()
             elif result.error and "NoQuorum" in result.error:
                 rounds = self.peer.cfg.run.rounds
                 self.run_size.no_quorum(final=rounds is not None and self.peer.round + 1 >= rounds)
@@ -167,7 +170,7 @@ class Exchange:
             me = peer.membership.status()
             live = consensus.with_my_group(me, live, self.last_group)  # entries our commit has not reached yet
             electorate = self.run_size.electorate(consensus.electorate(me, live))
-            lead = consensus.designated_leader(me, live) == me.peer_id
+            lead = self.leaders.name(me, live) == me.peer_id
         contribution = Contribution(name=peer.name, round=peer.round, digest=peer.state.digest,
                                     tokens=peer.tokens_since_commit, steps_per_s=self.announced_speed,
                                     electorate=electorate)
