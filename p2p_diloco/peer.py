@@ -73,6 +73,7 @@ class Peer:
         self.supervisor = None  # net.supervise.Supervisor once in a swarm: restarts a network stack whose helper died
         self.membership = None  # net.membership.Membership once in a swarm; None with an injected averager
         self.relay_issue: Optional[str] = None  # why our relay cannot serve us (client mode only), for explanations
+        self.relay = None  # net.reachability.RelayInfo: our reservation, when we take part as relayed
         self.tokens_since_commit = 0  # weight of the next contribution
         self.work_round = 0  # the round of θ_global our uncommitted local work began from (its staleness)
         self.tokens_trained = 0  # tokens of all inner steps this peer has run in this run

@@ -182,33 +182,35 @@ def designated_leader(me: PeerStatus, live: Sequence[PeerStatus], passed_over: C
     return min(ids - set(passed_over) or ids) if ids else ""
 
 
-PASS_OVER_ROUNDS = 5  # rounds for which a leader that gathered no group is passed over (then it may lead again)
-
-
 @dataclass
 class Leaders:
-    """The leaders a peer passes over. A leader whose roster entry stays fresh but that gathered no group in a whole
-    matchmaking window (frozen, still in its inner steps, or unreachable: a home peer whose router came back without
-    its relayed connection) is passed over for :data:`PASS_OVER_ROUNDS` rounds, itself included when it led that
-    window: every peer that waited for it failed the same window and names the same next leader. Without this the
-    others named it every attempt while its entry lived (CI: a peer held in its inner steps with the smallest id
-    stalled round 1 of two others for 2 minutes; a home peer whose router failed stalled round 4 of two others until
-    the test gave up). A peer whose view differs loses one window, then agrees."""
-    until: dict = field(default_factory=dict)  # peer id -> the last round it is passed over in
-    named: tuple = (-1, "")  # (round, leader) our last contribution was gathered by
+    """The leaders a peer passes over in its current round. A leader whose roster entry stays fresh but that gathered
+    no group in a whole matchmaking window (frozen, still in its inner steps, or unreachable: a home peer whose
+    router came back without its relayed connection) is passed over for the rest of the round by every peer that
+    waited for it: they failed the same window and name the same next leader. Without this they named it every
+    attempt while its entry lived (CI: a peer held in its inner steps with the smallest id stalled round 1 of two
+    others for 2 minutes; a home peer whose router failed stalled round 4 of two others until the test gave up).
+
+    Only for the round: a peer that was merely late for a leader's window (its group formed and committed without
+    us) would otherwise keep naming a leader nobody else skips, round after round. The leader itself is not passed
+    over by its own view: a fast leader whose window the others all missed gathers them on its next attempt."""
+    round: int = -1
+    passed: set = field(default_factory=set)  # leaders passed over at ``round``
+    named: tuple = (-1, "")  # (round, other leader) our last contribution waited for; "" when we led it
 
     def name(self, me: PeerStatus, live: Sequence[PeerStatus]) -> str:
-        """This round's leader as :func:`designated_leader` names it, with the leaders passed over at our round."""
-        self.until = {peer: last for peer, last in self.until.items() if last >= me.round}
-        leader = designated_leader(me, live, self.until)
-        self.named = (me.round, leader)
+        """This round's leader as :func:`designated_leader` names it, leaving out those passed over at our round."""
+        if me.round != self.round:
+            self.round, self.passed = me.round, set()
+        leader = designated_leader(me, live, self.passed)
+        self.named = (me.round, "" if leader == me.peer_id else leader)
         return leader
 
     def no_group(self) -> None:
-        """Our last contribution found no group: its leader is passed over (from the round it failed at)."""
+        """Our last contribution found no group: the leader it waited for is passed over for the rest of its round."""
         round_, leader = self.named
-        if leader:
-            self.until[leader] = round_ + PASS_OVER_ROUNDS - 1
+        if leader and round_ == self.round:
+            self.passed.add(leader)
 
 
 def finished_without(rounds: int, others: Sequence[PeerStatus], recorded: Sequence[tuple[str, int]]) -> list[str]:

@@ -81,6 +81,7 @@ class Exchange:
         self.announced_speed = 0.0  # the inner-step speed we announced with our last contribution (DyLU)
         self.last_group: tuple[int, frozenset] = (0, frozenset())  # (round, member names) of our last commit
         self.leaders = consensus.Leaders()  # the leaders we pass over after a window without a group
+        self._renewal = None  # the future of our last relay reservation's renewal (relayed peers)
         self._live_modes: list[str] = []  # the live peers' reachability when it started (explanations)
         self.settle_after = peer.cfg.diloco.overlap_steps if self.overlap is not None else 0  # τ; 0: round's end
         self._early: Optional[Settled] = None  # settled after τ steps, returned by the round-end settle()
@@ -131,6 +132,8 @@ class Exchange:
             elif result.error and "NoQuorum" in result.error:
                 rounds = self.peer.cfg.run.rounds
                 self.run_size.no_quorum(final=rounds is not None and self.peer.round + 1 >= rounds)
+            if not arrived and not isinstance(pending, _SatOut):
+                self._renew_relay()
             settled = Settled(result, arrived, pending.waited, time.perf_counter())
         if self.overlap is not None:
             share = self.share or 1.0 / self.peers  # before any commit: an equal share
@@ -175,6 +178,20 @@ class Exchange:
                                     tokens=peer.tokens_since_commit, steps_per_s=self.announced_speed,
                                     electorate=electorate)
         self.pending = peer.averager.start_average(contribution, weight, lead=lead)
+
+    def _renew_relay(self) -> None:
+        """After a failed attempt, a relayed peer renews its reservation at its relay (net/nat.py
+        ``renew_reservation``), in the background; a renewal that failed the time before is said."""
+        peer = self.peer
+        if getattr(peer, "relay", None) is None or peer.dht is None:
+            return
+        from p2p_diloco.net import nat
+
+        last, self._renewal = self._renewal, nat.renew_reservation(peer.dht, peer.relay)
+        if last is not None and last.done() and not last.cancelled() and last.exception() is None \
+                and last.result() is None:
+            peer.log.warning(f"relay: our reservation at {peer.relay.relay} could not be renewed; peers that cannot "
+                             f"dial us directly may not reach us until it is")
 
     def _work(self) -> list[torch.Tensor]:
         work = [torch.empty_like(p) for p in self.peer.state.params]

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 HOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/hop"
 STATUS_OK = 100
+RENEW_TIMEOUT_S = 10.0  # for a reservation's renewal, which opens at most one connection to the relay
 RELAY_WAIT_S = 10.0  # after AutoNAT's "private", a reservation at a static relay takes well under a second
 
 
@@ -116,6 +117,16 @@ def relay_limits(dht: hivemind.DHT, relay_peer_id: str, timeout: float = 10.0):
     """(duration s, data bytes) a relay grants per relayed connection (None: unlimited), asked with a circuit v2
     RESERVE from this node; None if it refused or did not answer."""
     return dht.run_coroutine(_RelayLimitsQuery(relay_peer_id, timeout))
+
+
+def renew_reservation(dht: hivemind.DHT, relay: RelayInfo):
+    """Renew our reservation at ``relay`` in the background; returns the future of its limits (None: refused or
+    unanswered). A relay serves a reserved peer through its live connection to it, and p2pd's autorelay, once a
+    reservation failed, backs off from that relay for an hour: a home router that dropped its link for seconds left
+    a relayed peer unreachable for the rest of a CI run. A RESERVE of our own dials the relay afresh if the old
+    connection died (one stream; the relay renews a reservation it holds)."""
+    return dht.run_coroutine(_RelayLimitsQuery(relay.relay.rsplit("/p2p/", 1)[-1], RENEW_TIMEOUT_S),
+                             return_future=True)
 
 
 class _RelayLimitsQuery:
