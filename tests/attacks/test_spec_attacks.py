@@ -84,6 +84,7 @@ def test_sybil_run_specs_neither_redirect_a_joiner_nor_reach_its_files(tmp_path,
     stop = tmp_path / "attacker.stop"
     first = subprocess.Popen(_peer("--config", str(PEERS / "cpu-test.toml"), "--run.run_id=spec-attacked",
                                    "--run.name=a", f"--run.run_dir={tmp_path / 'a'}", "--run.expected_peers=2",
+                                   "--run.expected_peers_timeout=900",  # it waits for b, started once c is refused
                                    f"--run.rounds={ROUNDS}", "--diloco.inner_steps=4", "--model.seq_len=32",
                                    "--data.eval_batches=1"),
                              text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -102,13 +103,10 @@ def test_sybil_run_specs_neither_redirect_a_joiner_nor_reach_its_files(tmp_path,
         plain = _start(_peer(*joiner, "--run.name=c", f"--run.run_dir={tmp_path / 'c'}"), tmp_path / "c.log",
                        stderr=subprocess.PIPE)
         procs.append(plain)
-        spec = first_out.search(r"run spec ([0-9a-f]{16})")  # logged before "joined run"
-        if spec is not None:
-            second = _start(_peer(*joiner, f"--run.spec_hash={spec.group(1)}", "--run.name=b",
-                                  f"--run.run_dir={tmp_path / 'b'}"), tmp_path / "b.log", stderr=subprocess.STDOUT)
-            procs.append(second)
 
-        # without the hash: refused in one line naming what it will not take, before it reads any data
+        # without the hash: refused in one line naming what it will not take, before it reads any data. b starts only
+        # after: a and b end their 2 rounds within seconds, and a is c's only initial peer (CI: c started as a left,
+        # and found nobody to ask)
         _, err = plain.communicate(timeout=360)
         lines = err.strip().splitlines()
         assert plain.returncode == 2 and len(lines) == 1, f"{err[-2000:]}\n{(tmp_path / 'c.log').read_text()[-2000:]}"
@@ -119,7 +117,11 @@ def test_sybil_run_specs_neither_redirect_a_joiner_nor_reach_its_files(tmp_path,
         assert not (tmp_path / "c" / "metrics.jsonl").exists()  # it never started training
 
         # with the hash: the run's spec, whatever the votes; it averages with the run every round
+        spec = first_out.search(r"run spec ([0-9a-f]{16})")  # logged before "joined run"
         assert spec is not None, "the first peer logged no run spec"
+        second = _start(_peer(*joiner, f"--run.spec_hash={spec.group(1)}", "--run.name=b",
+                              f"--run.run_dir={tmp_path / 'b'}"), tmp_path / "b.log", stderr=subprocess.STDOUT)
+        procs.append(second)
         assert first.wait(timeout=300) == 0, (tmp_path / "a.log").read_text()[-3000:]
         assert second.wait(timeout=120) == 0, (tmp_path / "b.log").read_text()[-3000:]
     finally:
