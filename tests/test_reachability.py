@@ -136,3 +136,47 @@ def _run_until_ok(cmd: list[str]) -> subprocess.CompletedProcess:
         if out.returncode == 0:
             return out
     raise AssertionError(out.stderr)
+
+
+def test_a_relayed_peer_renews_its_reservation_after_a_failed_round_and_says_when_a_renewal_failed(monkeypatch):
+    """Exchange._renew_relay: a renewal per failed attempt, of the relay the peer reserved at; one that came back
+    refused is said the next time; a DHT that cannot take the request (its process died) raises nothing into the
+    round loop; a peer that is not relayed renews nothing."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from p2p_diloco.net import nat
+    from p2p_diloco.net.exchange import Exchange
+
+    asked, outcomes = [], []
+
+    def renew(dht, relay):
+        asked.append(relay.relay)
+        if dht == "dead":
+            raise BrokenPipeError("the DHT's process is gone")
+        future = Future()
+        future.set_result(outcomes.pop(0))
+        return future
+
+    monkeypatch.setattr(nat, "renew_reservation", renew)
+    said = []
+    log = SimpleNamespace(warning=said.append, debug=lambda *_: None)
+    relay = RelayInfo("/ip4/192.0.0.100/tcp/31337/p2p/12D3KooWRelay", 1800, 4 << 30)
+    exchange = Exchange.__new__(Exchange)  # its relay bookkeeping alone
+    exchange.peer, exchange._renewal = SimpleNamespace(relay=relay, dht="alive", log=log), None
+
+    outcomes[:] = [None, (1800, 4 << 30), (1800, 4 << 30)]  # refused, then granted twice
+    exchange._renew_relay()
+    assert asked == [relay.relay] and not said
+    exchange._renew_relay()  # the refusal before is said now
+    assert len(asked) == 2 and len(said) == 1 and "could not be renewed" in said[0] and relay.relay in said[0]
+    exchange._renew_relay()
+    assert len(asked) == 3 and len(said) == 1
+
+    exchange.peer.dht = "dead"
+    exchange._renew_relay()  # raises nothing
+    assert len(asked) == 4 and exchange._renewal is None
+
+    exchange.peer.relay = None  # public or client mode
+    exchange._renew_relay()
+    assert len(asked) == 4

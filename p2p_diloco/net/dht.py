@@ -248,9 +248,8 @@ def _start(cfg: NetworkConfig, access: Optional[Access], identity, identity_file
                             f"(network.initial_peers={','.join(cfg.initial_peers)})") from None
         except RuntimeError as e:  # hivemind: "DHTNode bootstrap failed: none of the initial_peers responded"
             dht.shutdown()
-            if time.monotonic() + JOIN_RETRY_S < deadline:  # a ping unanswered in 3 s: a loaded node (CI: the
-                # initial peer's DHT answering a Sybil flood on 2 cores), or one that refuses us: ask again until
-                # network.join_timeout, then say so
+            if time.monotonic() + JOIN_RETRY_S < deadline:  # a ping unanswered in hivemind's 3 s: a loaded node,
+                # or one that refuses us: ask again until network.join_timeout, then say so
                 logger.info(f"no initial peer answered our ping yet; trying again in {JOIN_RETRY_S:.0f} s")
                 time.sleep(JOIN_RETRY_S)  # a node outside this process: no event to wait on
                 continue

@@ -187,7 +187,12 @@ class Exchange:
             return
         from p2p_diloco.net import nat
 
-        last, self._renewal = self._renewal, nat.renew_reservation(peer.dht, peer.relay)
+        last = self._renewal
+        try:
+            self._renewal = nat.renew_reservation(peer.dht, peer.relay)
+        except Exception as e:  # noqa: BLE001 - a dead DHT process: the supervisor restarts the stack next round
+            self._renewal = None
+            peer.log.debug(f"relay: no renewal ({e!r})")
         if last is not None and last.done() and not last.cancelled() and last.exception() is None \
                 and last.result() is None:
             peer.log.warning(f"relay: our reservation at {peer.relay.relay} could not be renewed; peers that cannot "
