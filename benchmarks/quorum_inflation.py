@@ -36,8 +36,9 @@ ENTRY_TTL_S = 30.0
 AFTER_S = 60.0  # after the entries expired: time for the attempt under way to end and the next to commit
 
 
-class _Store:
-    """Runs in the attacker's DHT process: one signed roster entry per key, on the nodes nearest the roster key."""
+class SybilEntries:
+    """Runs in the attacker's DHT process: one signed roster entry per key, on the nodes nearest the roster key (also
+    used by tests/attacks/roster_attacker.py)."""
 
     def __init__(self, key: str, identities: list, round_: int, digest: str):
         self.key, self.identities, self.round, self.digest = key, identities, round_, digest
@@ -62,7 +63,7 @@ class _Store:
         return stored
 
 
-def _latest_round(dht, key: str, exclude: set) -> tuple[int, str] | None:
+def latest_round(dht, key: str, exclude: set) -> tuple[int, str] | None:
     """The highest round and its digest among the run's own roster entries."""
     from p2p_diloco.net import records
 
@@ -120,23 +121,21 @@ def main() -> int:
         mine = {identity.peer_id_b58 for identity in identities}
         start = time.time()
         while time.time() < start + args.attack_s:
-            latest = _latest_round(attacker, key, mine)
+            latest = latest_round(attacker, key, mine)
             if latest is not None:
-                attacker.run_coroutine(_Store(key, identities, *latest))
+                attacker.run_coroutine(SybilEntries(key, identities, *latest))
             time.sleep(1.0)  # follow the run's round
         end = time.time()
         time.sleep(ENTRY_TTL_S + AFTER_S)  # the entries expire, and the attempt under way (its window doubled at each
         # attempt without quorum, up to 8x) ends: the run goes on
         rounds = _committed(work / "a")
-        before = [r for t, r in rounds if t < start]
-        during = [r for t, r in rounds if start <= t < end]
-        after = [r for t, r in rounds if t >= end]
+        phases = {"before": [t for t, _ in rounds if t < start], "during": [t for t, _ in rounds if start <= t < end],
+                  "after": [t for t, _ in rounds if t >= end + ENTRY_TTL_S]}  # once its entries expired
         print(f"{args.sybils} Sybil entries following the run's round for {args.attack_s:.0f} s (one DHT node):")
-        print(f"  rounds committed before: {len(before)} in {start - rounds[0][0]:.0f} s (to round {max(before)})")
-        print(f"  during the attack: {len(during)} (rounds {min(during)}-{max(during)})" if during else
-              "  during the attack: none after round " + str(max(before)))
-        print(f"  in the {ENTRY_TTL_S + AFTER_S:.0f} s after it (its entries expire after {ENTRY_TTL_S:.0f} s): "
-              f"{len(after)}" + (f", the first {min(t for t, _ in rounds if t >= end) - end:.0f} s after it" if after else ""))
+        for phase, times in phases.items():
+            gaps = sorted(b - a for a, b in zip(times, times[1:]))
+            median = f", median {gaps[len(gaps) // 2]:.2f} s between commits" if gaps else ""
+            print(f"  {phase:>6}: {len(times)} rounds committed{median}")
         no_quorum = [line for line in (work / "a.log").read_text().splitlines() if "NoQuorum" in line]
         if no_quorum:
             print(f"  peer a, {len(no_quorum)} attempts without quorum, e.g.: {no_quorum[0][:160]}")

@@ -127,11 +127,14 @@ def test_a_group_without_views_keeps_committing():
 
 
 def test_quorum_holders_count_every_member_of_the_majority_state():
-    from p2p_diloco.net.averaging.contribution import Contribution, quorum_holders
+    from p2p_diloco.net.averaging.contribution import Contribution, count_quorum
 
-    group = [Contribution("a", 3, "x", 10), Contribution("b", 3, "x", 0),  # no tokens: still in no other group
-             Contribution("c", 2, "old", 10)]
-    assert quorum_holders(group) == 2
+    group = [Contribution("a", 3, "x", 10, electorate=4), Contribution("b", 3, "x", 0, electorate=4),  # no tokens:
+             Contribution("c", 2, "old", 10, electorate=4)]  # still in no other group
+    verdict = count_quorum(group, ["A", "B", "C"], 0)
+    assert (verdict.ok, verdict.holders, verdict.size) == (False, 2, 4)
+    verdict = count_quorum(group, ["A", "B", "C"], 0, quorum=["B", "C", "D"])  # the group that committed round 3
+    assert (verdict.ok, verdict.holders, verdict.size) == (False, 1, 3)
 
 
 def test_run_size_keeps_the_largest_committed_group_until_quorum_keeps_failing():

@@ -32,7 +32,7 @@ def _member():
 
 def _offer(member, tensors, round_=5, **meta):
     n = len(member.state.params)
-    digest = state_digests(tensors[:n], tensors[n:])[1]
+    digest = state_digests(tensors[:n], tensors[n:], meta.get("quorum") or ())[1]
     metadata = {"round": round_, "digest": digest, "fingerprint": "fp", "name": "donor", **meta}
     return metadata, tensors, SyncTarget(round_, digest, ["donor"])
 
@@ -53,6 +53,20 @@ def test_a_sound_state_passes_and_each_fault_is_named():
     assert me._check_state(*_offer(me, good, fingerprint="other")) == "not a state of this run's model"
     metadata, tensors, target = _offer(me, good)
     assert "donor's digest" in me._check_state({**metadata, "digest": "0" * 64}, tensors, target)
+
+
+def test_the_donors_quorum_group_is_part_of_what_its_digest_certifies():
+    """The peer ids of the group that committed the round come with the state and are hashed into its digest: a
+    donor cannot serve the run's θ_global with another group (which would move whose majority the next round
+    needs) without the digest showing it."""
+    me = _member()
+    good = [t.clone() + 1 for t in me.state.tensors()]
+    metadata, tensors, target = _offer(me, good, quorum=["QmA", "QmB"])
+    assert me._check_state(metadata, tensors, target) is None
+    assert "donor's digest" in me._check_state({**metadata, "quorum": ["QmA", "QmC"]}, tensors, target)
+    assert "donor's digest" in me._check_state({**metadata, "quorum": []}, tensors, target)
+    assert me._check_state({**metadata, "quorum": "QmA"}, tensors, target) == \
+        "its round's quorum is not a list of peer ids"
 
 
 def _message(nbytes: int, first: bool, metadata: bytes = b"") -> averaging_pb2.DownloadData:

@@ -170,15 +170,21 @@ def with_my_group(me: PeerStatus, live: Sequence[PeerStatus], group: tuple[int, 
             for s in live]
 
 
-def designated_leader(me: PeerStatus, live: Sequence[PeerStatus], passed_over: Collection[str] = ()) -> str:
+def designated_leader(me: PeerStatus, live: Sequence[PeerStatus], passed_over: Collection[str] = (),
+                      quorum: Collection[str] = ()) -> str:
     """The peer id that gathers this round's group: the smallest id among the peers at our round that can accept
     connections (donors: client-mode peers cannot lead), leaving out those ``passed_over`` (:class:`Leaders`) while
     any other can lead. Every peer that reads the same roster names the same leader, so the run forms one group
     instead of several racing ones; a peer whose view differs still joins the declared leader that hivemind orders
-    first. A dead leader is replaced once its roster entry expires."""
+    first. A dead leader is replaced once its roster entry expires.
+
+    ``quorum``: the peer ids that committed our round (GlobalState.quorum, the same on every peer of our θ_global):
+    while one of them can lead, the leader is one of them. Anyone can publish a roster entry at our round under a
+    key of its own; without this, a stranger's entries with small ids would each cost the run a window per round."""
     ids = {s.peer_id for s in live if s.round == me.round and not s.leaving and s.donor}
     if me.donor:
         ids.add(me.peer_id)
+    ids = (ids & set(quorum)) or ids
     return min(ids - set(passed_over) or ids) if ids else ""
 
 
@@ -198,11 +204,11 @@ class Leaders:
     passed: set = field(default_factory=set)  # leaders passed over at ``round``
     named: tuple = (-1, "")  # (round, other leader) our last contribution waited for; "" when we led it
 
-    def name(self, me: PeerStatus, live: Sequence[PeerStatus]) -> str:
+    def name(self, me: PeerStatus, live: Sequence[PeerStatus], quorum: Collection[str] = ()) -> str:
         """This round's leader as :func:`designated_leader` names it, leaving out those passed over at our round."""
         if me.round != self.round:
             self.round, self.passed = me.round, set()
-        leader = designated_leader(me, live, self.passed)
+        leader = designated_leader(me, live, self.passed, quorum)
         self.named = (me.round, "" if leader == me.peer_id else leader)
         return leader
 
@@ -251,12 +257,13 @@ class RunSize:
     floor: int = 0
     failures: int = 0
     given_up: bool = False
+    forgot: bool = False  # forgot since our last commit: we also give up on our round's quorum group (count_quorum)
 
     def electorate(self, seen: int) -> int:
         return max(seen, self.floor)
 
     def committed(self, group: int) -> None:
-        self.floor, self.failures = max(self.floor, group), 0
+        self.floor, self.failures, self.forgot = max(self.floor, group), 0, False
 
     def no_quorum(self, final: bool = False) -> None:
         self.failures += 1
@@ -264,4 +271,4 @@ class RunSize:
             if final:
                 self.given_up = True
             else:
-                self.floor, self.failures = 0, 0
+                self.floor, self.failures, self.forgot = 0, 0, True

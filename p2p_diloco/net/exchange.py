@@ -173,11 +173,11 @@ class Exchange:
             me = peer.membership.status()
             live = consensus.with_my_group(me, live, self.last_group)  # entries our commit has not reached yet
             electorate = self.run_size.electorate(consensus.electorate(me, live))
-            lead = self.leaders.name(me, live) == me.peer_id
+            lead = self.leaders.name(me, live, peer.state.quorum) == me.peer_id
         contribution = Contribution(name=peer.name, round=peer.round, digest=peer.state.digest,
                                     tokens=peer.tokens_since_commit, steps_per_s=self.announced_speed,
-                                    electorate=electorate)
-        self.pending = peer.averager.start_average(contribution, weight, lead=lead)
+                                    electorate=electorate, fallback=self.run_size.forgot)
+        self.pending = peer.averager.start_average(contribution, weight, lead=lead, quorum=peer.state.quorum)
 
     def _renew_relay(self) -> None:
         """After a failed attempt, a relayed peer renews its reservation at its relay (net/nat.py
@@ -223,7 +223,8 @@ class Exchange:
             if not all(torch.isfinite(d).all() for d in averaged):
                 result.error = "the averaged pseudo-gradient is not finite: round rejected"
                 return False
-            peer.state.apply(averaged, num_contributions=result.group_size, members=result.peers)
+            peer.state.apply(averaged, num_contributions=result.group_size, members=result.peers,
+                             quorum=result.quorum)
             if peer.error_feedback is not None:
                 peer.error_feedback.commit()
         if self.overlap is None:

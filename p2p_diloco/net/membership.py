@@ -34,6 +34,7 @@ from p2p_diloco.net.keys import (publish_finished, publish_run_index, publish_ru
 from p2p_diloco.net.security import schema
 from p2p_diloco.ops.metrics import MetricsSink
 from p2p_diloco.train.global_state import GlobalState
+from p2p_diloco.train.global_state import parse_quorum
 from p2p_diloco.train.outer import state_digests
 
 logger = logging.getLogger("p2p_diloco")
@@ -284,7 +285,7 @@ class Membership:
         if problem:
             self.log.warning(f"{kind}: state from {donor} rejected: {problem}")
             return False
-        self.state.load(metadata["round"], tensors, metadata.get("members", ()))
+        self.state.load(metadata["round"], tensors, metadata.get("members", ()), parse_quorum(metadata.get("quorum")))
         self.state_changed()
         seconds = time.perf_counter() - start
         size = sum(t.numel() * t.element_size() for t in tensors)
@@ -307,8 +308,11 @@ class Membership:
             return "tensor shapes or dtypes differ"
         if not all(bool(torch.isfinite(t).all()) for t in tensors):
             return "it holds NaN or Inf"
+        quorum = parse_quorum(metadata.get("quorum"))
+        if quorum is None:
+            return "its round's quorum is not a list of peer ids"
         n = len(self.state.params)
-        _, digest = state_digests(tensors[:n], tensors[n:])
+        _, digest = state_digests(tensors[:n], tensors[n:], quorum)
         if digest != metadata.get("digest"):
             return "bytes do not match the donor's digest (corrupted in transit)"
         if metadata.get("round", -1) < target.round or (metadata["round"] == target.round and target.digest
@@ -318,8 +322,8 @@ class Membership:
 
     def donate_state(self) -> tuple[dict, list]:
         """Called on hivemind's state thread when a peer downloads from us: a consistent snapshot."""
-        round_, digest, tensors, members = self.state.snapshot()
+        round_, digest, tensors, members, quorum = self.state.snapshot()
         metadata = {"round": round_, "digest": digest, "fingerprint": self.fingerprint, "name": self.name,
-                    "members": members}
+                    "members": members, "quorum": quorum}
         return metadata, tensors
 

@@ -48,12 +48,17 @@ def params_digest(tensors: Iterable[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def state_digests(params: Sequence[torch.Tensor], optimizer_state: Sequence[torch.Tensor]) -> tuple[str, str]:
-    """(digest of θ_global, digest of θ_global followed by the outer optimizer state), hashing θ only once."""
+def state_digests(params: Sequence[torch.Tensor], optimizer_state: Sequence[torch.Tensor],
+                  quorum: Sequence[str] = ()) -> tuple[str, str]:
+    """(digest of θ_global, digest of θ_global followed by the outer optimizer state and, when known, ``quorum``:
+    the peer ids of the group that committed this round, sorted), hashing θ only once. Peers holding the same
+    digest agree on that group too, so the next round's quorum is counted over it (net/consensus.py)."""
     h = hashlib.sha256()
     _update(h, params)
     params_hex = h.hexdigest()
     _update(h, optimizer_state)
+    if quorum:
+        h.update(("\nquorum:" + ",".join(sorted(quorum))).encode())
     return params_hex, h.hexdigest()
 
 

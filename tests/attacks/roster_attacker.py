@@ -7,7 +7,10 @@ It finds the run's prefix in the run index, then, until STOP_FILE exists, stores
   * ``crash``: an entry signed by its first node, in its own name, whose ``"round"`` is the string ``"9"``;
   * ``sybil``: an unsigned entry under the subkey ``sybil-1`` (not a peer id) claiming round 10^9;
   * ``ahead``: a well-formed entry signed by its second node, in its own name, claiming round 10^9 and offering
-    to serve that state.
+    to serve that state;
+  * ``inflate``: once the run committed a round, well-formed entries under ``--inflate`` generated keys at the run's
+    latest round and digest, following it (benchmarks/quorum_inflation.py: before the quorum was counted over the
+    group that committed the round, they stalled the run).
 The report names the attacker's peer ids and how many stores each DHT confirmed.
 """
 
@@ -29,8 +32,12 @@ def main() -> int:
     p = argparse.ArgumentParser()
     for name in ("--bootstrap", "--run-id", "--out", "--stop"):
         p.add_argument(name, required=True)
+    p.add_argument("--inflate", type=int, default=4)
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout this script is in, not another
+
+    from benchmarks.quorum_inflation import SybilEntries, latest_round
+    from p2p_diloco.net.security.identity import Identity
 
     from hivemind.utils.timed_storage import get_dht_time
 
@@ -41,7 +48,9 @@ def main() -> int:
 
     net = NetworkConfig(initial_peers=[args.bootstrap], host_maddrs=[LOOPBACK], join_timeout=20.0)
     first, second = start_dht(net), start_dht(net)
-    report = {"peer_ids": [str(first.peer_id), str(second.peer_id)], "stores": {}, "attempts": {}, "prefix": None}
+    sybils = [Identity.generate() for _ in range(args.inflate)]
+    report = {"peer_ids": [str(first.peer_id), str(second.peer_id)], "stores": {}, "attempts": {}, "prefix": None,
+              "inflated": [], "sybil_ids": [identity.peer_id_b58 for identity in sybils]}
     try:
         deadline = time.monotonic() + 120
         while not report["prefix"] and time.monotonic() < deadline and not os.path.exists(args.stop):
@@ -58,14 +67,21 @@ def main() -> int:
         entries = {"crash": (first, str(first.peer_id), {**status(first, 0), "round": "9"}),
                    "sybil": (first, "sybil-1", {**status(first, FAR), "peer_id": "sybil-1"}),
                    "ahead": (second, str(second.peer_id), status(second, FAR))}
+        ours, last = set(report["peer_ids"]) | set(report["sybil_ids"]), 0.0
         while not os.path.exists(args.stop) and time.monotonic() < deadline:
-            for name, (dht, subkey, value) in entries.items():
-                ok = dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + 60)
-                report["stores"][name] = report["stores"].get(name, 0) + int(bool(ok))  # some node took it
-                report["attempts"][name] = report["attempts"].get(name, 0) + 1
+            if time.monotonic() > last + 2.0:  # re-store for peers that joined since (not handed to newcomers)
+                last = time.monotonic()
+                for name, (dht, subkey, value) in entries.items():
+                    ok = dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + 60)
+                    report["stores"][name] = report["stores"].get(name, 0) + int(bool(ok))  # some node took it
+                    report["attempts"][name] = report["attempts"].get(name, 0) + 1
+            latest = latest_round(first, key, ours) if args.inflate else None
+            if latest is not None and latest[0] >= 1 and latest[0] not in report["inflated"]:
+                if second.run_coroutine(SybilEntries(key, sybils, *latest)):  # some node took them
+                    report["inflated"].append(latest[0])
             with open(args.out, "w") as f:
                 json.dump(report, f)
-            time.sleep(2.0)  # re-store for peers that joined since (records are not handed to newcomers)
+            time.sleep(0.3)  # follow the run's round: its roster lives in the DHT, nothing to wait on
     finally:
         with open(args.out, "w") as f:
             json.dump(report, f)

@@ -1,8 +1,11 @@
 """Records an outsider writes into an open run's roster (issue 24, findings 1-3), in a real swarm of 3 peer processes
 with an outside DHT process of 2 nodes (the product's own, their own keys, no secret): an entry whose ``round`` is
-the string "9", one under a subkey that is no peer id, one well-formed entry claiming round 10^9. Before records were
-validated, the first made every peer exit with a TypeError within seconds. Now every honest peer drops them (counted,
-logged), stays alive, commits every round on one θ_global, and never downloads the attacker's state."""
+the string "9", one under a subkey that is no peer id, one well-formed entry claiming round 10^9, and, once the run
+committed a round, entries under 4 generated keys following the run's round. Before records were validated, the first
+made every peer exit with a TypeError within seconds; before the quorum was counted over the group that committed the
+round before (net/averaging/contribution.py count_quorum), the last stalled the run (no group held more than half of
+its members' roster views). Now every honest peer drops the bad ones (counted, logged), stays alive, commits every
+round on one θ_global, and never downloads the attacker's state."""
 
 from __future__ import annotations
 
@@ -56,13 +59,16 @@ def test_bad_roster_entries_from_outside_neither_crash_nor_lead_the_run(tmp_path
         # them: which, depends on the random peer ids); the well-formed claim is taken
         assert attack["prefix"] and all(attack["attempts"].get(k) for k in ("crash", "sybil", "ahead")), attack
         assert attack["stores"].get("ahead"), attack
+        # the run's rounds after the first were formed with the strangers' entries at their round: the entries
+        # followed a round the run had not finished (the attacker polls the roster 3 times a second)
+        assert any(r < ROUNDS for r in attack["inflated"]), attack
         assert code == 0, "a peer failed or the peers' θ_global differ"
         summary = json.loads((tmp_path / "summary.json").read_text())
         assert len(summary["rounds"]) == ROUNDS
         for r in summary["rounds"]:
             hashes = r["global_params_sha256"]
             assert len(hashes) == PEERS and len(set(hashes.values())) == 1, f"round {r['round']}: {hashes}"
-        attackers = set(attack["peer_ids"]) | {"sybil-1"}
+        attackers = set(attack["peer_ids"]) | set(attack["sybil_ids"]) | {"sybil-1"}
         for i in range(PEERS):
             records = read_jsonl(tmp_path / f"peer{i}" / "metrics.jsonl")
             committed = [r["round"] for r in records if r.get("event") == "round" and r["committed"]]

@@ -54,8 +54,7 @@ from p2p_diloco.errors import first_line
 from p2p_diloco.net.averaging.wire import WireCodec
 from p2p_diloco.ops.procs import become_child_process, end_hard
 
-from p2p_diloco.net.averaging.contribution import Contribution, choose_participants, quorum_holders
-from p2p_diloco.net.consensus import has_quorum, quorum_size
+from p2p_diloco.net.averaging.contribution import Contribution, choose_participants, count_quorum
 
 
 logger = logging.getLogger(__name__)
@@ -97,6 +96,7 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
         self._verifications = {}
         self._signer = _identity_of(args[1] if len(args) > 1 else kwargs.get("dht"))  # signs our parts
         self._survive, self._reduced = survive_losses, False
+        self._quorum: list[str] = []  # the peer ids that committed our θ_global's round (set before each step)
         self.state_provider = None  # set in the host process: () -> (metadata dict, tensors)
         self._state_pipe, self._state_lock = StatePipe(), None  # what we serve, from the host (state_pipe.py)
         super().__init__(*args, compression=codec, **kwargs)
@@ -163,14 +163,13 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
             summary = dict(members=[contributions[i].name for i in members], member_of=me in members,
                            tokens=sum(contributions[i].tokens for i in members),
                            group_round=contributions[members[0]].round if members else None,
-                           speeds=[c.steps_per_s for c in contributions])
+                           speeds=[c.steps_per_s for c in contributions],
+                           quorum=[peer_ids[i] for i in members])  # who commits: the next round's quorum group
             if len(members) < self._min_participants:
                 raise AllreduceException(f"only {len(members)} of {len(contributions)} members agree on θ_global")
-            holders, views = quorum_holders(contributions, peer_ids), [c.electorate for c in contributions]
-            if not has_quorum(holders, views):  # another group may hold the majority: it alone commits this round
-                at = summary["group_round"]
-                raise NoQuorum(f"no quorum: this group ({len(contributions)} members) holds {holders} of the "
-                               f"{quorum_size(views)} peers at round {at}; it does not commit round {at + 1}")
+            quorum = count_quorum(contributions, peer_ids, me, self._quorum)
+            if not quorum.ok:  # another group may hold the majority: it alone commits this round
+                raise NoQuorum(quorum.why_not(len(contributions), summary["group_round"]))
             left_out = accused(peer_ids, [c.suspects for c in contributions])  # they reduce nothing either
             download_bandwidths = [b if AveragingMode(m) != AveragingMode.CLIENT and i not in left_out else 0.0
                                    for i, (b, m) in enumerate(zip(bandwidths, mode_ids))]
@@ -343,6 +342,11 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
 
     async def _arm_fault(self, fault):
         self._fault = fault
+
+    async def _set_quorum(self, quorum: list):
+        """The peer ids of the group that committed the round of the θ_global we contribute against
+        (net/averaging/contribution.py count_quorum): sent by the host before the step that needs it."""
+        self._quorum = list(quorum)
 
     async def _set_leading(self, leading: bool):
         """This round, lead a group (declare ourselves in the DHT and accept joiners) or only ask the declared

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from p2p_diloco.net.consensus import majority_state
+from p2p_diloco.net.consensus import has_quorum, majority_state, quorum_size
 from p2p_diloco.net.averaging.screening import accused
 
 
@@ -21,6 +21,7 @@ class Contribution:
     suspects: list[str] = field(default_factory=list)  # peer ids this member leaves out (a reducer named them)
     proof: str = ""           # private runs: membership proof for the sender's PeerID, hex (net/security/gate.py)
     electorate: int = 0       # peers this member sees at its round, itself included (net/consensus.py has_quorum)
+    fallback: bool = False    # this member gave up on its round's quorum group (most of it is gone): see Quorum
 
 
 @dataclass
@@ -40,17 +41,51 @@ class AverageResult:
     speeds: list[float] = field(default_factory=list)  # every group member's inner steps per second (DyLU)
     reducer_bytes: int = 0                    # the most bytes our reducer held at once to combine a part
     malformed: dict = field(default_factory=dict)  # peer id -> (name, why): members a reducer refused this round
+    quorum: list[str] = field(default_factory=list)  # peer ids of the members that commit it (GlobalState.quorum)
 
 
-def quorum_holders(contributions: Sequence[Contribution], peer_ids: Sequence[str] = ()) -> int:
-    """How many members of the group hold the θ_global it averages (participants, and members of that state with
-    nothing to add): each is in no other group of this round."""
+@dataclass
+class Quorum:
+    """May this group commit the round after its members' θ_global? Counted as :func:`count_quorum` does."""
+    ok: bool
+    holders: int   # the members counted
+    size: int      # the peers they are counted against
+    over: str      # what ``size`` counts, for the reason a group did not commit
+
+    def why_not(self, members: int, round_) -> str:
+        return (f"no quorum: this group ({members} members) holds {self.holders} of the {self.size} {self.over} "
+                f"at round {round_}; it does not commit round {None if round_ is None else round_ + 1}")
+
+
+def count_quorum(contributions: Sequence[Contribution], peer_ids: Sequence[str], me: int,
+                 quorum: Sequence[str] = ()) -> Quorum:
+    """The quorum verdict, the same on every member that holds the group's θ_global (round t).
+
+    ``quorum``: the peer ids of the group that committed round t, as our state holds them (folded into its digest,
+    so every member at that digest holds the same list; [] when unknown: round 0, or a state from before it). With
+    it, the group commits round t + 1 only if more than half of them are members holding θ_t: two groups of one
+    round are disjoint, so at most one can, and nobody's roster entries move the count (a stranger publishing
+    entries under many keys at the run's round stalled it through the roster rule: benchmarks/quorum_inflation.py).
+    Members outside that group (joiners since) hold θ_t too but are not counted.
+
+    If most of that group is gone (died, left), no group can reach it; members that failed :data:`FORGET_AFTER
+    <p2p_diloco.net.consensus.FORGET_AFTER>` attempts so declare ``fallback``, and once most of the group's holders
+    do, the roster rule decides (:func:`~p2p_diloco.net.consensus.has_quorum`), as it does without ``quorum``."""
     left_out = accused(peer_ids, [c.suspects for c in contributions]) if peer_ids else set()
     states = [(c.round, c.digest) for i, c in enumerate(contributions) if i not in left_out]
     if not states:
-        return 0
+        return Quorum(False, 0, 0, "peers")
     best = majority_state(states)
-    return sum((c.round, c.digest) == best for c in contributions)
+    at_best = [i for i, c in enumerate(contributions) if (c.round, c.digest) == best]
+    if quorum and me in at_best:
+        group = set(quorum)
+        counted = sum(peer_ids[i] in group for i in at_best)
+        if 2 * counted > len(group):
+            return Quorum(True, counted, len(group), "peers that committed it")
+        if 2 * sum(contributions[i].fallback for i in at_best) <= len(at_best):
+            return Quorum(False, counted, len(group), "peers that committed it")
+    views = [c.electorate for c in contributions]
+    return Quorum(has_quorum(len(at_best), views), len(at_best), quorum_size(views), "peers")
 
 
 def choose_participants(contributions: Sequence[Contribution], peer_ids: Sequence[str] = ()) -> list[int]:

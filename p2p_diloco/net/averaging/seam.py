@@ -78,6 +78,7 @@ class Averager:
         self.deadlines = self._estimator.deadlines(self._group_size)
         self._pending: Optional[PendingAverage] = None  # an all-reduce under way (start_average)
         self._leading = True  # whether this peer declares itself as a leader in matchmaking (start_average)
+        self._quorum: list[str] = []  # what the averager's process counts the quorum over (start_average)
         self.gone: Optional[str] = None  # why this averager can no longer work (net/supervise.py): calls fail at once
 
     @property
@@ -119,17 +120,22 @@ class Averager:
         """Find a group and all-reduce the buffers; never raises, never waits beyond the configured timeouts."""
         return self.start_average(contribution, weight).result()
 
-    def start_average(self, contribution: Contribution, weight: float, lead: bool = True) -> "PendingAverage":
+    def start_average(self, contribution: Contribution, weight: float, lead: bool = True,
+                      quorum: Sequence[str] = ()) -> "PendingAverage":
         """Start :meth:`average` in the averager's process and return at once (``diloco.overlap``). Until the
         pending average's ``result()`` is taken, the buffers belong to the averager: :meth:`pseudo_grads` refuses.
 
         ``lead``: this peer is the round's designated leader (net/consensus.py designated_leader) and gathers the
         group; otherwise it only joins the leader's group, so that one group forms per round, not several racing
-        ones. Every peer leading (the default) is hivemind's own matchmaking."""
+        ones. Every peer leading (the default) is hivemind's own matchmaking. ``quorum``: the peer ids of the group
+        that committed our θ_global's round (GlobalState.quorum), which the group's quorum is counted over."""
         self._update_deadlines()
         if lead != self._leading:
             self._leading = lead
             self._averager._outer_pipe.send(("_set_leading", [], dict(leading=lead)))
+        if list(quorum) != self._quorum:
+            self._quorum = list(quorum)
+            self._averager._outer_pipe.send(("_set_quorum", [], dict(quorum=self._quorum)))
         contribution = replace(contribution, suspects=[p for p, last in self.suspects.items()
                                                        if last > contribution.round])
         pending = PendingAverage(self, contribution)
@@ -157,7 +163,7 @@ class Averager:
                                bytes_received=out.get("bytes_received", 0), seconds=seconds,
                                allreduce_seconds=out["allreduce_seconds"], group_round=out["group_round"],
                                speeds=out["speeds"], reducer_bytes=out.get("reducer_bytes", 0),
-                               malformed=out.get("malformed", {}))
+                               malformed=out.get("malformed", {}), quorum=out.get("quorum", []))
         if "error" in out:
             result.error = out["error"]
             self._suspect(result.malformed, round_)

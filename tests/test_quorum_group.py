@@ -1,0 +1,136 @@
+"""The quorum is counted over the group that committed the round before (issue 24: one DHT node with a few generated
+keys stalled an open run by publishing roster entries at its round; benchmarks/quorum_inflation.py). Pure: the rule,
+the digest that carries the group, the state that keeps it, and the leader it prefers."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from p2p_diloco.net.averaging.contribution import Contribution, count_quorum
+from p2p_diloco.net.consensus import PeerStatus, designated_leader
+from p2p_diloco.train.global_state import GlobalState, parse_quorum
+from p2p_diloco.train.outer import OuterNesterov, state_digests
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _group(members, at="x", electorate=0, fallback=()):
+    """Contributions of ``members`` (peer ids) at round 3, digest ``at`` (a dict overrides a member's digest)."""
+    digests = at if isinstance(at, dict) else {}
+    return ([Contribution(p, 3, digests.get(p, "x" if digests else at), 10, electorate=electorate,
+                          fallback=p in fallback) for p in members], list(members))
+
+
+def test_strangers_roster_entries_do_not_stop_the_group_that_holds_most_of_the_last_committers():
+    contributions, ids = _group(["A", "B"], electorate=6)  # each member sees 4 strangers' entries at its round
+    assert count_quorum(contributions, ids, 0).ok is False  # the roster rule: 2 of 6, the stall measured
+    verdict = count_quorum(contributions, ids, 0, quorum=["A", "B"])
+    assert (verdict.ok, verdict.holders, verdict.size) == (True, 2, 2)
+
+
+def test_joiners_hold_the_round_but_are_not_counted():
+    contributions, ids = _group(["A", "J1", "J2", "J3"], electorate=4)
+    verdict = count_quorum(contributions, ids, 1, quorum=["A", "B", "C"])
+    assert (verdict.ok, verdict.holders, verdict.size) == (False, 1, 3)
+    assert "holds 1 of the 3 peers that committed it at round 3" in verdict.why_not(4, 3)
+    contributions, ids = _group(["A", "B", "J1"], electorate=4)
+    assert count_quorum(contributions, ids, 2, quorum=["A", "B", "C"]).ok  # joiners go on with the majority
+
+
+def test_a_member_of_another_state_is_not_counted_and_its_own_verdict_is_the_roster_rules():
+    contributions, ids = _group(["A", "B", "C"], at={"A": "x", "B": "x", "C": "old"}, electorate=3)
+    verdict = count_quorum(contributions, ids, 0, quorum=["A", "B", "C"])
+    assert (verdict.ok, verdict.holders) == (True, 2)  # A and B; C holds another θ_global
+    # C does not hold the state the group averages (it does not commit either way): the list it knows is not that
+    # state's, so it goes by the roster
+    assert count_quorum(contributions, ids, 2, quorum=["A", "B", "C"]).over == "peers"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_two_disjoint_groups_never_both_commit(seed):
+    """Any last committers M, any joiners, any split into two disjoint groups (and strangers' entries inflating
+    every view): at most one group commits, whoever declares fallback in a minority."""
+    rng = random.Random(seed)
+    m = [f"M{i}" for i in range(rng.randint(1, 9))]
+    peers = m + [f"J{i}" for i in range(rng.randint(0, 6))]
+    for _ in range(200):
+        first = [p for p in peers if rng.random() < 0.5]
+        second = [p for p in peers if p not in first and rng.random() < 0.9]
+        verdicts = []
+        for group in (first, second):
+            if not group:
+                verdicts.append(False)
+                continue
+            minority = set(rng.sample(group, (len(group) - 1) // 2))  # never most of a group
+            contributions, ids = _group(group, electorate=rng.randint(0, 40), fallback=minority)
+            verdicts.append(all(count_quorum(contributions, ids, me, quorum=m).ok for me in range(len(group))))
+        assert not all(verdicts)
+
+
+def test_once_most_of_the_group_is_gone_the_members_that_gave_up_on_it_go_by_the_roster():
+    contributions, ids = _group(["A", "J"], electorate=2)  # B and C died: A and a joiner are the run
+    assert not count_quorum(contributions, ids, 0, quorum=["A", "B", "C"]).ok
+    contributions, ids = _group(["A", "J"], electorate=2, fallback={"A"})
+    assert not count_quorum(contributions, ids, 0, quorum=["A", "B", "C"]).ok  # one of two: not most
+    contributions, ids = _group(["A", "J"], electorate=2, fallback={"A", "J"})
+    verdict = count_quorum(contributions, ids, 1, quorum=["A", "B", "C"])
+    assert (verdict.ok, verdict.size) == (True, 2)
+    contributions, ids = _group(["A", "J"], electorate=5, fallback={"A", "J"})
+    assert not count_quorum(contributions, ids, 1, quorum=["A", "B", "C"]).ok  # the roster rule still binds
+
+
+def test_every_member_of_the_state_reaches_the_same_verdict():
+    for members in itertools.combinations(["A", "B", "C", "D", "J"], 3):
+        contributions, ids = _group(members, electorate=5)
+        verdicts = {count_quorum(contributions, ids, me, quorum=["A", "B", "C", "D"]).ok for me in range(3)}
+        assert len(verdicts) == 1
+
+
+def test_the_digest_carries_the_group_and_is_unchanged_without_one():
+    params, state = [torch.ones(3)], [torch.zeros(3)]
+    plain = state_digests(params, state)
+    assert state_digests(params, state, []) == plain
+    with_group = state_digests(params, state, ["B", "A"])
+    assert with_group[0] == plain[0] and with_group[1] != plain[1]  # θ's own digest is θ's alone
+    assert state_digests(params, state, ["A", "B"]) == with_group  # the order it is given in does not matter
+    assert state_digests(params, state, ["A", "C"])[1] != with_group[1]
+
+
+def test_the_state_keeps_its_group_through_a_commit_a_download_and_a_checkpoint():
+    params = [torch.ones(3)]
+    state = GlobalState(params, OuterNesterov(params, lr=0.7, momentum=0.9))
+    before = state.digest
+    state.apply([torch.full((3,), 0.1)], num_contributions=2, members=["a", "b"], quorum=["Qb", "Qa"])
+    assert state.quorum == ["Qa", "Qb"] and state.digest != before
+    round_, digest, tensors, _, quorum = state.snapshot()
+    other_params = [torch.zeros(3)]
+    other = GlobalState(other_params, OuterNesterov(other_params, lr=0.7, momentum=0.9))
+    other.load(round_, tensors, quorum=quorum)
+    assert other.digest == digest
+    saved = state.state_dict()
+    again_params = [torch.zeros(3)]
+    again = GlobalState(again_params, OuterNesterov(again_params, lr=0.7, momentum=0.9))
+    again.load_state_dict(saved)
+    assert (again.quorum, again.digest) == (["Qa", "Qb"], digest)
+    again.load_state_dict({k: v for k, v in saved.items() if k != "quorum"})  # a checkpoint from before it
+    assert again.quorum == [] and again.digest != digest  # unknown: the peer repairs to the run's state
+
+
+def test_a_donors_quorum_list_is_checked_before_anything_is_hashed():
+    assert parse_quorum(None) == [] and parse_quorum(["b", "a"]) == ["a", "b"]
+    for bad in ("ab", [1], ["a", "a"], [""], ["a b"], ["x" * 129], ["a"] * 5000, {"a": 1}):
+        assert parse_quorum(bad) is None, bad
+
+
+def test_the_leader_is_one_of_the_last_committers_while_one_can_lead():
+    me = PeerStatus("m", "M5", 3, "x")
+    live = [PeerStatus("s", "A1", 3, "x"), PeerStatus("t", "A2", 3, "x"),  # strangers' entries, smaller ids
+            PeerStatus("q", "M2", 3, "x"), PeerStatus("j", "J0", 3, "x")]
+    assert designated_leader(me, live) == "A1"
+    assert designated_leader(me, live, quorum=["M2", "M5"]) == "M2"
+    assert designated_leader(me, live, passed_over=["M2"], quorum=["M2", "M5"]) == "M5"
+    assert designated_leader(me, live[:2], quorum=["Q9"]) == "A1"  # none of them live: any peer at the round
