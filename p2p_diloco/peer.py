@@ -83,7 +83,7 @@ class Peer:
         self.log = logger
         self._closed = self._ready = False
         self._last_loss = float("nan")  # the last round's mean training loss (logged with a drained all-reduce)
-        self.run_round = 0  # the highest round of a live peer at the round's last roster read (ops/standing.py)
+        self.run_round = 0  # the run's round at the round's last roster read (ops/standing.py, _run_round)
 
     # ------------------------------------------------------------------------------------------------ start
     def start(self) -> "Peer":
@@ -187,7 +187,7 @@ class Peer:
             inner_done = time.perf_counter()
             settled = self.exchange.settle()  # overlap: the last round's all-reduce, committed now if good
             live = self._live_roster()  # one read: did the run move on while we trained, and the group to expect
-            self.run_round = max((s.round for s in live), default=0)
+            self.run_round = self._run_round(live)
             self._catch_up(live)  # if so, rebase onto it now: our work still enters this round
             if self._last_round_held() and settled is None:
                 break  # caught up to the run's last round just now: no round is left to contribute to
@@ -351,6 +351,14 @@ class Peer:
                                         last_planned_steps=self.rounds.planned if steps else 0,
                                         last_loss=train_loss if 0 < train_loss < 1e4 else 0.0,  # NaN: none
                                         missed_rounds=self._missed_rounds())
+
+    def _run_round(self, live: list) -> int:
+        """The run's round as the roster shows it (ops/standing.py): the latest round credible to us, so that a
+        stranger's entry claiming round 10^9 does not make us say the run went on without us."""
+        if self.membership is None:
+            return max((s.round for s in live), default=0)
+        me = self.membership.status()
+        return max(consensus.credible_rounds(me, [s for s in live if s.peer_id != me.peer_id]))
 
     def _missed_rounds(self) -> int:
         """Rounds the run committed since our last committed round, as our log counts them (ops/standing.py)."""

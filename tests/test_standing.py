@@ -132,3 +132,18 @@ def test_metrics_jsonl_rotates_and_its_readers_read_both_files(tmp_path):
     both = [r["round"] for r in read_jsonl(path)]
     tail = [r["round"] for r in tail_records(path, tail_bytes=500)]
     assert tail[-1] == 199 and 3 <= len(tail) <= 5 and tail == both[-len(tail):]
+
+
+def test_the_runs_round_is_the_latest_credible_one_not_a_strangers_claim():
+    """A well-formed roster entry claiming round 10^9 (tests/attacks: the roster attacker) is not the run's round:
+    a peer that fails a few attempts does not say the run committed 999,999,998 rounds without it."""
+    import types
+
+    from p2p_diloco.net.consensus import PeerStatus
+    from p2p_diloco.peer import Peer
+
+    me = PeerStatus("a", "A", 2, "x")
+    live = [me, PeerStatus("b", "B", 3, "y"), PeerStatus("c", "C", 3, "y"), PeerStatus("s", "S", 10 ** 9, "z")]
+    peer = types.SimpleNamespace(membership=types.SimpleNamespace(status=lambda: me))
+    assert Peer._run_round(peer, live) == 3
+    assert Peer._run_round(types.SimpleNamespace(membership=None), live) == 10 ** 9  # outside a swarm: no roster

@@ -4,7 +4,8 @@ screen). The same count is a Prometheus gauge (ops/telemetry.py) and a column of
 
 Fed the peer's own records (ops/metrics.py's fan-out, so the round loop holds no code for it): a round record says
 whether the round committed, our θ_global round, and the run's round as this peer last read it from the roster
-(``run/round``: the highest round of a live peer). :class:`Standing` is pure.
+(``run/round``: the latest round credible to it, net/consensus.py credible_rounds: a stranger's entry claiming a
+far round is not the run's). :class:`Standing` is pure.
 """
 
 from __future__ import annotations
