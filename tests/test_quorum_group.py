@@ -18,11 +18,12 @@ from p2p_diloco.train.outer import OuterNesterov, state_digests
 pytestmark = pytest.mark.timeout(60)
 
 
-def _group(members, at="x", electorate=0, fallback=()):
-    """Contributions of ``members`` (peer ids) at round 3, digest ``at`` (a dict overrides a member's digest)."""
+def _group(members, at="x", electorate=0, fallback=(), alive=0):
+    """Contributions of ``members`` (peer ids) at round 3, digest ``at`` (a dict overrides a member's digest); each
+    member sees ``alive`` members of the last committing group alive."""
     digests = at if isinstance(at, dict) else {}
     return ([Contribution(p, 3, digests.get(p, "x" if digests else at), 10, electorate=electorate,
-                          fallback=p in fallback) for p in members], list(members))
+                          fallback=p in fallback, live_quorum=alive) for p in members], list(members))
 
 
 def test_strangers_roster_entries_do_not_stop_the_group_that_holds_most_of_the_last_committers():
@@ -71,16 +72,45 @@ def test_two_disjoint_groups_never_both_commit(seed):
         assert not all(verdicts)
 
 
-def test_once_most_of_the_group_is_gone_the_members_that_gave_up_on_it_go_by_the_roster():
-    contributions, ids = _group(["A", "J"], electorate=2)  # B and C died: A and a joiner are the run
+def test_once_most_of_the_group_is_gone_the_members_that_gave_up_count_the_ones_still_alive():
+    contributions, ids = _group(["A", "J"], electorate=2, alive=1)  # B and C died: A and a joiner are the run
     assert not count_quorum(contributions, ids, 0, quorum=["A", "B", "C"]).ok
-    contributions, ids = _group(["A", "J"], electorate=2, fallback={"A"})
-    assert not count_quorum(contributions, ids, 0, quorum=["A", "B", "C"]).ok  # one of two: not most
-    contributions, ids = _group(["A", "J"], electorate=2, fallback={"A", "J"})
+    contributions, ids = _group(["A", "J"], electorate=2, fallback={"A"}, alive=1)
+    assert not count_quorum(contributions, ids, 0, quorum=["A", "B", "C"]).ok  # one of two gave up: not most
+    contributions, ids = _group(["A", "J"], electorate=9, fallback={"A", "J"}, alive=1)
     verdict = count_quorum(contributions, ids, 1, quorum=["A", "B", "C"])
-    assert (verdict.ok, verdict.size) == (True, 2)
-    contributions, ids = _group(["A", "J"], electorate=5, fallback={"A", "J"})
-    assert not count_quorum(contributions, ids, 1, quorum=["A", "B", "C"]).ok  # the roster rule still binds
+    assert (verdict.ok, verdict.holders, verdict.size) == (True, 1, 1)  # strangers' entries (electorate 9): no say
+    contributions, ids = _group(["A", "J"], electorate=2, fallback={"A", "J"}, alive=2)
+    verdict = count_quorum(contributions, ids, 1, quorum=["A", "B", "C"])  # B is alive, only slow: A alone is half
+    assert (verdict.ok, verdict.size) == (False, 2)
+    assert "holds 1 of the 2 peers that committed it still alive" in verdict.why_not(2, 3)
+
+
+def test_a_group_without_any_member_of_it_commits_only_once_none_is_alive_then_by_the_roster():
+    contributions, ids = _group(["J1", "J2"], electorate=2, fallback={"J1", "J2"}, alive=1)
+    assert not count_quorum(contributions, ids, 0, quorum=["A", "B", "C"]).ok  # A lives: its group may commit
+    contributions, ids = _group(["J1", "J2"], electorate=2, fallback={"J1", "J2"})
+    assert count_quorum(contributions, ids, 0, quorum=["A", "B", "C"]).ok
+    contributions, ids = _group(["J1", "J2"], electorate=5, fallback={"J1", "J2"})
+    assert not count_quorum(contributions, ids, 0, quorum=["A", "B", "C"]).ok
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_two_disjoint_groups_that_gave_up_never_both_commit_while_views_are_complete(seed):
+    """Every member gave up on the list; every one sees the same members of it alive (the alive ones: those in a
+    group, and maybe others): at most one group commits."""
+    rng = random.Random(seed)
+    m = [f"M{i}" for i in range(rng.randint(2, 9))]
+    peers = m + [f"J{i}" for i in range(rng.randint(0, 4))]
+    for _ in range(200):
+        first = [p for p in peers if rng.random() < 0.4]
+        second = [p for p in peers if p not in first and rng.random() < 0.6]
+        alive = len({p for p in first + second if p in m} | {p for p in m if rng.random() < 0.5})
+        verdicts = []
+        for group in (first, second):
+            contributions, ids = _group(group, electorate=len(first) + len(second), fallback=set(group), alive=alive)
+            verdicts.append(bool(group) and count_quorum(contributions, ids, 0, quorum=m).ok)
+        assert not all(verdicts)
 
 
 def test_every_member_of_the_state_reaches_the_same_verdict():

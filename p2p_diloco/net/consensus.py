@@ -134,6 +134,13 @@ def electorate(me: PeerStatus, live: Sequence[PeerStatus]) -> int:
     return len(ids | {me.peer_id})
 
 
+def alive_of(quorum: Collection[str], me: PeerStatus, live: Sequence[PeerStatus]) -> int:
+    """How many of ``quorum`` (the peer ids that committed our round) ``me`` sees alive: a live roster entry (at any
+    round) that announces no leave, or ``me`` itself (net/averaging/contribution.py count_quorum)."""
+    alive = {s.peer_id for s in live if not s.leaving} | {me.peer_id}
+    return len(set(quorum) & alive)
+
+
 def quorum_size(views: Sequence[int]) -> int:
     """The run's size at round t−1 as a group sees it: the upper median of its members' :func:`electorate` views
     (0: a member without a view, e.g. outside a swarm, is not counted). One member's low or high claim cannot

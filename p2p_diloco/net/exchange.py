@@ -168,15 +168,16 @@ class Exchange:
                 peer.error_feedback.add_to(buffers)  # what the wire lost of our last committed contribution
         weight = peer.tokens_since_commit if peer.cfg.diloco.weight_by_tokens else 1.0
         self.announced_speed = peer.pace.steps_per_s
-        electorate, lead = 0, True  # outside a swarm (tests): no quorum rule, hivemind's own matchmaking
+        electorate, alive, lead = 0, 0, True  # outside a swarm (tests): no quorum rule, hivemind's matchmaking
         if peer.membership is not None:
             me = peer.membership.status()
             live = consensus.with_my_group(me, live, self.last_group)  # entries our commit has not reached yet
             electorate = self.run_size.electorate(consensus.electorate(me, live))
+            alive = consensus.alive_of(peer.state.quorum, me, live)
             lead = self.leaders.name(me, live, peer.state.quorum) == me.peer_id
         contribution = Contribution(name=peer.name, round=peer.round, digest=peer.state.digest,
                                     tokens=peer.tokens_since_commit, steps_per_s=self.announced_speed,
-                                    electorate=electorate, fallback=self.run_size.forgot)
+                                    electorate=electorate, fallback=self.run_size.forgot, live_quorum=alive)
         self.pending = peer.averager.start_average(contribution, weight, lead=lead, quorum=peer.state.quorum)
 
     def _renew_relay(self) -> None:

@@ -36,13 +36,18 @@ def sane_contribution(raw) -> dict:
             raise ValueError
         speed = float(raw.get("steps_per_s", 0.0))
         suspects = [s for s in raw.get("suspects", ()) if isinstance(s, str)]
-        electorate = raw.get("electorate", 0)
-        electorate = electorate if type(electorate) is int and 0 <= electorate <= MAX_ELECTORATE else 0
+        electorate = _count(raw.get("electorate", 0))
     except (KeyError, TypeError, ValueError, AttributeError):
         return dict(name="?", round=-1, digest="", tokens=0)
     out["name"] = clean_text(out["name"]) or "?"  # a name reaches logs and terminals: no control characters
     return dict(out, steps_per_s=speed if math.isfinite(speed) and speed >= 0 else 0.0, suspects=suspects[:64],
-                electorate=electorate, fallback=raw.get("fallback") is True)
+                electorate=electorate, fallback=raw.get("fallback") is True,
+                live_quorum=_count(raw.get("live_quorum", 0)))
+
+
+def _count(value) -> int:
+    """A member's count of peers (a view of the run's size): an int in [0, MAX_ELECTORATE], else 0 (not counted)."""
+    return value if type(value) is int and 0 <= value <= MAX_ELECTORATE else 0
 
 
 def accused(peer_ids: Sequence[str], suspects: Sequence[Sequence[str]]) -> set[int]:
