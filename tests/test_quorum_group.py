@@ -164,3 +164,11 @@ def test_the_leader_is_one_of_the_last_committers_while_one_can_lead():
     assert designated_leader(me, live, quorum=["M2", "M5"]) == "M2"
     assert designated_leader(me, live, passed_over=["M2"], quorum=["M2", "M5"]) == "M5"
     assert designated_leader(me, live[:2], quorum=["Q9"]) == "A1"  # none of them live: any peer at the round
+
+
+def test_the_runs_last_round_keeps_the_roster_rule():
+    from p2p_diloco.net.consensus import quorum_group
+
+    assert quorum_group(["A", "B"], 2, 4) == ["A", "B"]
+    assert quorum_group(["A", "B"], 3, 4) == []  # round 4 is the last: every peer of round 3 counts the roster
+    assert quorum_group(["A", "B"], 3, None) == ["A", "B"]  # a run without an end

@@ -134,6 +134,17 @@ def electorate(me: PeerStatus, live: Sequence[PeerStatus]) -> int:
     return len(ids | {me.peer_id})
 
 
+def quorum_group(quorum: Sequence[str], round_: int, rounds: Optional[int]) -> list[str]:
+    """The peer ids a group's quorum for round ``round_`` + 1 is counted over (net/averaging/contribution.py
+    count_quorum): the group that committed ``round_`` (GlobalState.quorum), except for the run's last round
+    (``rounds``), which keeps the roster rule with the run's size kept (:class:`RunSize`): peers that join there to
+    replace dead members would not count, and the count of the group's members still alive cannot tell a peer that
+    died from one that finished the run (its entry gone, its finished record gone with its DHT node): stragglers
+    would commit a second final θ_global. A stranger's entries at that round make the peers stop one round short
+    (:attr:`RunSize.given_up`) instead of stalling them. [] for every peer of a round: the roster rule."""
+    return [] if rounds is not None and round_ + 1 >= rounds else list(quorum)
+
+
 def alive_of(quorum: Collection[str], me: PeerStatus, live: Sequence[PeerStatus]) -> int:
     """How many of ``quorum`` (the peer ids that committed our round) ``me`` sees alive: a live roster entry (at any
     round) that announces no leave, or ``me`` itself (net/averaging/contribution.py count_quorum)."""

@@ -169,16 +169,17 @@ class Exchange:
         weight = peer.tokens_since_commit if peer.cfg.diloco.weight_by_tokens else 1.0
         self.announced_speed = peer.pace.steps_per_s
         electorate, alive, lead = 0, 0, True  # outside a swarm (tests): no quorum rule, hivemind's matchmaking
+        quorum = consensus.quorum_group(peer.state.quorum, peer.round, peer.cfg.run.rounds)
         if peer.membership is not None:
             me = peer.membership.status()
             live = consensus.with_my_group(me, live, self.last_group)  # entries our commit has not reached yet
             electorate = self.run_size.electorate(consensus.electorate(me, live))
-            alive = consensus.alive_of(peer.state.quorum, me, live)
+            alive = consensus.alive_of(quorum, me, live)
             lead = self.leaders.name(me, live, peer.state.quorum) == me.peer_id
         contribution = Contribution(name=peer.name, round=peer.round, digest=peer.state.digest,
                                     tokens=peer.tokens_since_commit, steps_per_s=self.announced_speed,
                                     electorate=electorate, fallback=self.run_size.forgot, live_quorum=alive)
-        self.pending = peer.averager.start_average(contribution, weight, lead=lead, quorum=peer.state.quorum)
+        self.pending = peer.averager.start_average(contribution, weight, lead=lead, quorum=quorum)
 
     def _renew_relay(self) -> None:
         """After a failed attempt, a relayed peer renews its reservation at its relay (net/nat.py

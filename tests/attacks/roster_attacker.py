@@ -9,8 +9,9 @@ It finds the run's prefix in the run index, then, until STOP_FILE exists, stores
   * ``ahead``: a well-formed entry signed by its second node, in its own name, claiming round 10^9 and offering
     to serve that state;
   * ``inflate``: once the run committed a round, well-formed entries under ``--inflate`` generated keys at the run's
-    latest round and digest, following it (benchmarks/quorum_inflation.py: before the quorum was counted over the
-    group that committed the round, they stalled the run).
+    latest round and digest, following it below ``--inflate-below`` (benchmarks/quorum_inflation.py: before the
+    quorum was counted over the group that committed the round, they stalled the run; the run's last round still
+    counts the roster, where they make the peers stop one round short).
 The report names the attacker's peer ids and how many stores each DHT confirmed.
 """
 
@@ -33,6 +34,7 @@ def main() -> int:
     for name in ("--bootstrap", "--run-id", "--out", "--stop"):
         p.add_argument(name, required=True)
     p.add_argument("--inflate", type=int, default=4)
+    p.add_argument("--inflate-below", type=int, default=1 << 30, help="inflate rounds below this one only")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout this script is in, not another
 
@@ -76,7 +78,7 @@ def main() -> int:
                     report["stores"][name] = report["stores"].get(name, 0) + int(bool(ok))  # some node took it
                     report["attempts"][name] = report["attempts"].get(name, 0) + 1
             latest = latest_round(first, key, ours) if args.inflate else None
-            if latest is not None and latest[0] >= 1 and latest[0] not in report["inflated"]:
+            if latest is not None and 1 <= latest[0] < args.inflate_below and latest[0] not in report["inflated"]:
                 if second.run_coroutine(SybilEntries(key, sybils, *latest)):  # some node took them
                     report["inflated"].append(latest[0])
             with open(args.out, "w") as f:
