@@ -159,12 +159,11 @@ def test_screening_is_deterministic_and_needs_a_majority():
     assert member_weights([100, 120], [0, 1], False, 8.0) == [1.0, 1.0]
     good = dict(name="p", round=3, digest="d", tokens=10, steps_per_s=2.0, suspects=["X", 5])
     assert sane_contribution(good) == dict(name="p", round=3, digest="d", tokens=10, steps_per_s=2.0,
-                                           suspects=["X"], electorate=0, fallback=False,
+                                           suspects=["X"], electorate=0,
                                            live_quorum=0)  # no view of the run: not counted
     assert sane_contribution(dict(good, electorate=16))["electorate"] == 16
-    assert sane_contribution(dict(good, live_quorum=5, fallback=True)) == \
-        dict(sane_contribution(good), live_quorum=5, fallback=True)
-    assert sane_contribution(dict(good, live_quorum=-1, fallback="yes")) == sane_contribution(good)
+    assert sane_contribution(dict(good, live_quorum=5)) == dict(sane_contribution(good), live_quorum=5)
+    assert sane_contribution(dict(good, live_quorum=-1)) == sane_contribution(good)
     for claim in (-1, 1.5, "16", True, 10 ** 9):  # not a count of peers: not counted, the rest kept
         assert sane_contribution(dict(good, electorate=claim)) == sane_contribution(good)
     for bad in (None, "x", dict(good, tokens=-1), dict(good, tokens=1.5), dict(good, round="3"), {"name": "p"}):

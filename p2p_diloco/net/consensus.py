@@ -275,13 +275,12 @@ class RunSize:
     floor: int = 0
     failures: int = 0
     given_up: bool = False
-    forgot: bool = False  # forgot since our last commit: we also give up on our round's quorum group (count_quorum)
 
     def electorate(self, seen: int) -> int:
         return max(seen, self.floor)
 
     def committed(self, group: int) -> None:
-        self.floor, self.failures, self.forgot = max(self.floor, group), 0, False
+        self.floor, self.failures = max(self.floor, group), 0
 
     def no_quorum(self, final: bool = False) -> None:
         self.failures += 1
@@ -289,4 +288,4 @@ class RunSize:
             if final:
                 self.given_up = True
             else:
-                self.floor, self.failures, self.forgot = 0, 0, True
+                self.floor, self.failures = 0, 0

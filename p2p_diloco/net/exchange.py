@@ -178,7 +178,7 @@ class Exchange:
             lead = self.leaders.name(me, live, peer.state.quorum) == me.peer_id
         contribution = Contribution(name=peer.name, round=peer.round, digest=peer.state.digest,
                                     tokens=peer.tokens_since_commit, steps_per_s=self.announced_speed,
-                                    electorate=electorate, fallback=self.run_size.forgot, live_quorum=alive)
+                                    electorate=electorate, live_quorum=alive)
         self.pending = peer.averager.start_average(contribution, weight, lead=lead, quorum=quorum)
 
     def _renew_relay(self) -> None:

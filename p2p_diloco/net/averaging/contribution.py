@@ -21,8 +21,7 @@ class Contribution:
     suspects: list[str] = field(default_factory=list)  # peer ids this member leaves out (a reducer named them)
     proof: str = ""           # private runs: membership proof for the sender's PeerID, hex (net/security/gate.py)
     electorate: int = 0       # peers this member sees at its round, itself included (net/consensus.py has_quorum)
-    fallback: bool = False    # this member gave up on its round's quorum group (most of it is gone): count_quorum
-    live_quorum: int = 0      # members of that group this member sees alive in the roster, itself included
+    live_quorum: int = 0      # members of its round's quorum group it sees alive, itself included (count_quorum)
 
 
 @dataclass
@@ -69,14 +68,15 @@ def count_quorum(contributions: Sequence[Contribution], peer_ids: Sequence[str],
     entries under many keys at the run's round stalled it through the roster rule: benchmarks/quorum_inflation.py).
     Members outside that group (joiners since) hold θ_t too but are not counted.
 
-    If most of that group is gone (died, left), no group can reach it; members that failed :data:`FORGET_AFTER
-    <p2p_diloco.net.consensus.FORGET_AFTER>` attempts so declare ``fallback``, and once most of the group's holders
-    do, the group commits with more than half of that group's members still alive: those whose roster entries live
-    and do not announce a leave, as each counted member sees them (``live_quorum``, the upper median of their
-    views). Entries under a stranger's keys do not count there either; members alive but slow do, so a run that only
-    fragmented under load (groups missing the leader's window) does not fork when its peers give up. A group
-    holding none of that group commits only once its members see none of it alive, by the roster rule
-    (:func:`~p2p_diloco.net.consensus.has_quorum`), which also decides without ``quorum``."""
+    If some of that group died or left, the group may also commit with more than half of that group's members
+    **still alive**: those whose roster entries live and announce no leave, as each counted member sees them
+    (``live_quorum``, the upper median of their views). Entries under a stranger's keys do not count there; members
+    alive but slow do, so two groups of a run that fragmented (members missing the leader's window) cannot both
+    commit while their members see each other. A dead member stops counting once its roster entry expires. A
+    group holding none of that group commits only once its members see none of it alive (a run restarted from its
+    checkpoints by peers with new keys), by the roster rule (:func:`~p2p_diloco.net.consensus.has_quorum`), which
+    also decides without ``quorum``. Where members' views differ (a DHT partition, reads answered in part under
+    heavy load), the alive count can be too small: the limit the roster rule has too."""
     left_out = accused(peer_ids, [c.suspects for c in contributions]) if peer_ids else set()
     states = [(c.round, c.digest) for i, c in enumerate(contributions) if i not in left_out]
     if not states:
@@ -88,12 +88,11 @@ def count_quorum(contributions: Sequence[Contribution], peer_ids: Sequence[str],
         counted = [i for i in at_best if peer_ids[i] in group]
         if 2 * len(counted) > len(group):
             return Quorum(True, len(counted), len(group), "peers that committed it")
-        if 2 * sum(contributions[i].fallback for i in at_best) <= len(at_best):
+        alive = quorum_size([contributions[i].live_quorum for i in counted])
+        if alive:
+            return Quorum(2 * len(counted) > alive, len(counted), alive, "peers that committed it still alive")
+        if counted:  # no view of who is alive (outside a swarm): the whole group counts
             return Quorum(False, len(counted), len(group), "peers that committed it")
-        if counted:
-            views = [contributions[i].live_quorum for i in counted]
-            return Quorum(has_quorum(len(counted), views), len(counted), quorum_size(views),
-                          "peers that committed it still alive")
         alive = quorum_size([contributions[i].live_quorum for i in at_best])
         if alive:  # none of that group is here, but some is alive: it may be committing this round elsewhere
             return Quorum(False, 0, alive, "peers that committed it still alive")

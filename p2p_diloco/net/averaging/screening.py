@@ -41,8 +41,7 @@ def sane_contribution(raw) -> dict:
         return dict(name="?", round=-1, digest="", tokens=0)
     out["name"] = clean_text(out["name"]) or "?"  # a name reaches logs and terminals: no control characters
     return dict(out, steps_per_s=speed if math.isfinite(speed) and speed >= 0 else 0.0, suspects=suspects[:64],
-                electorate=electorate, fallback=raw.get("fallback") is True,
-                live_quorum=_count(raw.get("live_quorum", 0)))
+                electorate=electorate, live_quorum=_count(raw.get("live_quorum", 0)))
 
 
 def _count(value) -> int:
