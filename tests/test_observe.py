@@ -81,7 +81,8 @@ def live_run(tmp_path_factory, module_process_tag) -> LiveRun:
     proc = subprocess.Popen(
         [sys.executable, "-m", "p2p_diloco", "swarm", "--run-dir", str(run.run_dir), "--peers", "3", "--rounds",
          str(ROUNDS), "--inner-steps", "10", f"--run.run_id={RUN_ID}", "--model.seq_len=64", "--inner.batch_size=4",
-         "--data.eval_batches=2", "--averaging.matchmaking_time=5", "--run.tensorboard=true", "--run.export_every=2"],
+         "--data.eval_batches=2", "--averaging.matchmaking_time=5", "--run.tensorboard=true", "--run.export_every=2",
+         "--run.export_keep=2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
     bootstrap = threading.Event()
     done = threading.Event()
@@ -285,11 +286,19 @@ def test_export_of_an_earlier_round_from_a_checkpoint_or_an_export(live_run, tmp
     from p2p_diloco.ops.checkpoint import load_checkpoint
 
     # the killed peer's last checkpoint holds the last round it saved (the kill may land between a commit and its
-    # checkpoint); the others exported every 2nd round
+    # checkpoint); every peer exported every 2nd round
     killed = load_checkpoint(live_run.run_dir / "peer2")["round"]
     assert killed in [r["round"] for r in live_run.records("peer2") if r.get("event") == "round" and r["committed"]]
-    saved = sorted({killed, *range(2, ROUNDS + 1, 2)})
-    for round_ in {2, killed}:
+
+    def own(peer: str) -> list[int]:
+        return sorted(int(f.name.split("-")[1]) for f in (live_run.run_dir / peer / "exports").glob("round-*"))
+
+    # run.export_keep=2: a peer keeps its newest two exports and deletes the older ones, saying which
+    assert own("peer0") == own("peer1") == [ROUNDS - 2, ROUNDS]
+    deleted = [d for r in live_run.records("peer0") if r.get("event") == "export" for d in r["deleted"]]
+    assert deleted == [f"round-{r:06d}" for r in range(2, ROUNDS - 2, 2)]
+    saved = sorted({killed, *own("peer0"), *own("peer2")})
+    for round_ in {ROUNDS - 2, killed}:
         assert export_run(live_run.run_dir, tmp_path / f"r{round_}", round_) == (round_, tmp_path / f"r{round_}")
         info = json.loads((tmp_path / f"r{round_}" / "p2p_diloco.json").read_text())
         assert info["round"] == round_ and info["global_params_sha256"] == live_run.logged_sha(round_)
@@ -297,7 +306,7 @@ def test_export_of_an_earlier_round_from_a_checkpoint_or_an_export(live_run, tmp
     with pytest.raises(ConfigError, match=f"round {missing} not available .*saved rounds: {', '.join(map(str, saved))}"):
         export_run(live_run.run_dir, tmp_path / "missing", missing)
     with pytest.raises(ConfigError, match="not an empty folder"):
-        export_run(live_run.run_dir, tmp_path / "r2")
+        export_run(live_run.run_dir, tmp_path / f"r{ROUNDS - 2}")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -395,3 +404,18 @@ def test_a_sink_without_its_package_is_a_config_error(monkeypatch, key, package)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
     with pytest.raises(ConfigError, match=f"pip install 'p2p-diloco\\[{package}\\]'"):
         load_config(overrides=dict([key.split("=")]))
+
+
+def test_export_keep_deletes_only_the_oldest_of_the_peers_own_round_folders(tmp_path):
+    from p2p_diloco.ops.export import prune_exports
+
+    for name in ("round-000003", "round-000010", "round-000007", "round-notes", "keep-me"):
+        (tmp_path / "exports" / name).mkdir(parents=True)
+        (tmp_path / "exports" / name / "model.safetensors").write_bytes(b"x")
+    (tmp_path / "peer1" / "exports" / "round-000001").mkdir(parents=True)  # another peer's: not this peer's to delete
+    assert prune_exports(tmp_path, 0) == []  # 0: keep them all
+    assert prune_exports(tmp_path, 2) == [tmp_path / "exports" / "round-000003"]  # by round, not by name or age
+    assert sorted(p.name for p in (tmp_path / "exports").iterdir()) == [
+        "keep-me", "round-000007", "round-000010", "round-notes"]
+    assert (tmp_path / "peer1" / "exports" / "round-000001").is_dir()
+    assert prune_exports(tmp_path, 2) == []

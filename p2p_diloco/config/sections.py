@@ -300,6 +300,9 @@ class RunConfig:
     export_every: int = _f(0, "write θ_global as a Hugging Face folder to run_dir/exports/round-NNNNNN every K "
                            "committed rounds (kept: 'p2p-diloco export --round' reads them); 0: never", "rounds",
                            _non_negative, "must be >= 0")
+    export_keep: int = _f(0, "keep only the newest K of those folders (older ones are deleted after each export, so "
+                          "a peer that runs for weeks keeps a bounded run folder); 0: keep them all", "folders",
+                          _non_negative, "must be >= 0")
     sample_every: int = _f(0, "log a short text sample of θ_global (run.sample_prompt continued by 100 tokens, seed "
                            "0) as a metrics record every K committed rounds; 0: never", "rounds", _non_negative,
                            "must be >= 0")

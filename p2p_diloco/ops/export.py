@@ -174,6 +174,23 @@ def export_folders(run_dir: str | os.PathLike) -> dict[int, Path]:
     return found
 
 
+def prune_exports(run_dir: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete this peer's own export folders (``run_dir/exports/round-*``) but the newest ``keep``; returns those
+    deleted, oldest first. ``keep`` 0 keeps them all; a name that is not ``round-<int>`` is never touched."""
+    if keep <= 0:
+        return []
+    own = {}
+    for folder in Path(run_dir).glob(f"{EXPORTS_DIR}/round-*"):
+        try:
+            own[int(folder.name.split("-", 1)[1])] = folder
+        except ValueError:
+            continue
+    old = [own[r] for r in sorted(own)[:-keep]]
+    for folder in old:
+        shutil.rmtree(folder, ignore_errors=True)
+    return old
+
+
 def _read_checkpoint(path: Path) -> dict:
     # mmap: reading the round does not load the AdamW state of a large model into memory
     return read_checkpoint(path, mmap=True)

@@ -56,12 +56,14 @@ def resume(peer) -> bool:
 
 def export(peer) -> None:
     """θ_global as a Hugging Face folder, ``run_dir/exports/round-NNNNNN``."""
-    from p2p_diloco.ops.export import export_path, save_hf_folder
+    from p2p_diloco.ops.export import export_path, prune_exports, save_hf_folder
 
     path = export_path(peer.run_dir, peer.round)
     with peer.exchange.global_in_model():
         save_hf_folder(peer.model, peer.cfg, path, info={"round": peer.round, "peer": peer.name})
-    peer.metrics.log({"event": "export", "peer": peer.name, "round": peer.round, "path": str(path)})
+    pruned = prune_exports(peer.run_dir, peer.cfg.run.export_keep)
+    peer.metrics.log({"event": "export", "peer": peer.name, "round": peer.round, "path": str(path),
+                      "deleted": [p.name for p in pruned]})
     peer.log.info(f"round {peer.round}: θ_global exported to {path}")
 
 
