@@ -39,6 +39,7 @@ def join_swarm(peer) -> None:
     peer.dht, choice, peer.relay_issue = nat.decide(cfg.network, peer._probe, payload_bytes(peer))
     peer.log.info(f"reachability: {choice.reason}; taking part as {choice.mode}")
     peer.relay = peer._probe.relay if choice.mode == "relayed" else None  # renewed after a failed round (exchange)
+    peer._probe = None  # it holds the first DHT: after a restart that one would stay, with its futures' memory
     fingerprint = run_fingerprint(peer.fingerprint, cfg)  # the whole run spec too: other settings never average
     prefix = run_prefix(cfg.run.run_id, fingerprint)
     peer.averager = _averager(peer, prefix, choice.mode, access(peer))
