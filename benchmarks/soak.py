@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from common import demo_config
-from soak_report import (count_restarts, count_rounds, parse_stat, parse_status, plan_faults, report,
+from soak_report import (count_restarts, count_rounds, fd_kind, parse_stat, parse_status, plan_faults, report,
                          summary_lines)
 
 from p2p_diloco.ops.metrics import read_jsonl
@@ -81,10 +81,11 @@ def is_p2pd(pid: int) -> bool:
     return "p2pd" in (read(f"/proc/{pid}/cmdline") or "")
 
 
-def usage(pid: int, shm: Optional[dict] = None) -> dict:
+def usage(pid: int, shm: Optional[dict] = None, kinds: bool = False) -> dict:
     """RSS, threads and open descriptors of one process; with ``shm``, note in it (inode → bytes) the files of
     /dev/shm its descriptors hold: torch's shared tensors live there (deleted files, so in nobody's RSS until
-    mapped), and they stay allocated as long as a descriptor holds them."""
+    mapped), and they stay allocated as long as a descriptor holds them. With ``kinds``, its descriptors by kind
+    (``fd_kinds``: socket, pipe, shm, file, other): what grew, when something did."""
     status = read(f"/proc/{pid}/status")
     out = parse_status(status) if status else {"rss_bytes": 0, "threads": 0}
     try:
@@ -92,13 +93,19 @@ def usage(pid: int, shm: Optional[dict] = None) -> dict:
     except OSError:
         fds = []
     out["fds"] = len(fds)
-    for fd in fds if shm is not None else ():
+    counts: dict[str, int] = {}
+    for fd in fds if shm is not None or kinds else ():
         try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("/dev/shm/") and shm is not None:
                 st = os.stat(f"/proc/{pid}/fd/{fd}")
                 shm[st.st_ino] = st.st_size
         except OSError:  # closed meanwhile
-            pass
+            continue
+        kind = fd_kind(target)
+        counts[kind] = counts.get(kind, 0) + 1
+    if kinds:
+        out["fd_kinds"] = counts
     return out
 
 
@@ -229,7 +236,7 @@ class Soak:
             self.dht_seen[name] = dht
             line = {"kind": "sample", "peer": name, "pid": pid, "alive": alive, "up_s": round(uptime_s(pid, table), 1),
                     "since_fault_s": round(self.now() - self.last_fault.get(name, -1e9), 1),
-                    "tree": tree_usage([pid] + below if alive else []), "main": usage(pid) if alive else
+                    "tree": tree_usage([pid] + below if alive else []), "main": usage(pid, kinds=True) if alive else
                     {"rss_bytes": 0, "threads": 0, "fds": 0}, "dht": dht, "p2pd": p2pd}
             if child.run_dir is not None:
                 log = read(str(child.log_path)) or ""

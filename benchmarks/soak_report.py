@@ -71,6 +71,15 @@ def parse_status(text: str) -> dict:
     return out
 
 
+def fd_kind(target: str) -> str:
+    """What a descriptor is open on, from its /proc/PID/fd link: socket, pipe, shm (/dev/shm), file or other."""
+    if target.startswith(("socket:", "pipe:")):
+        return target.split(":", 1)[0]
+    if target.startswith("/dev/shm/"):
+        return "shm"
+    return "file" if target.startswith("/") else "other"
+
+
 def count_restarts(log_text: str) -> dict:
     """Helper restarts a peer's log reports (net/supervise.py), and the tracebacks in it."""
     return {"restarted": len(RESTARTED.findall(log_text)), "restart_failed": len(RESTART_FAILED.findall(log_text)),
@@ -97,6 +106,17 @@ def _median(values: list[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
+def life_ratio(values: list[float]) -> Optional[float]:
+    """End over start of one process's steady samples, each end the median of up to :data:`WINDOW` samples (fewer
+    when the life is short: half of them each), as the run's start and end are: one sample taken while an all-reduce
+    holds its connections open is not read as growth. None for fewer than 2 samples or a start of 0."""
+    if len(values) < 2:
+        return None
+    window = min(WINDOW, len(values) // 2)
+    start, end = _median(values[:window]), _median(values[-window:])
+    return end / start if start else None
+
+
 def summarize(samples: list[dict], warmup_s: float, settle_s: float = 60.0) -> dict:
     """One peer's (or the bootstrap's) samples → start and end after warm-up (medians of the first and last
     :data:`WINDOW` steady samples), their ratios, the peak, and the run folder's growth per minute."""
@@ -113,8 +133,8 @@ def summarize(samples: list[dict], warmup_s: float, settle_s: float = 60.0) -> d
             row[f"{scope}_{key}_ratio"] = end / start if start and end is not None and len(steady) >= 2 else None
         row[f"tree_{key}_peak"] = max((s["tree"].get(key, 0) for s in steady), default=None)
     for key in ("rss_bytes", "fds"):  # a leak that a restart of the process would hide: within each process's life
-        ratios = [lives[-1]["tree"][key] / lives[0]["tree"][key] for pid in {s["pid"] for s in steady}
-                  if len(lives := [s for s in steady if s["pid"] == pid]) >= 2 and lives[0]["tree"][key]]
+        ratios = [ratio for pid in {s["pid"] for s in steady}
+                  if (ratio := life_ratio([s["tree"][key] for s in steady if s["pid"] == pid])) is not None]
         row[f"tree_{key}_worst_life"] = max(ratios, default=None)
     after = [s for s in samples if s["t_s"] >= warmup_s and "dir_bytes" in s]
     if len(after) >= 2 and after[-1]["t_s"] > after[0]["t_s"]:

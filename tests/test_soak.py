@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from soak_report import (FAULT_KINDS, count_restarts, count_rounds, parse_stat, parse_status,  # noqa: E402
+from soak_report import (FAULT_KINDS, count_restarts, count_rounds, fd_kind, life_ratio, parse_stat, parse_status,  # noqa: E402
                          plan_faults, report, summarize, verdict)
 
 PEERS = ["peer0", "peer1", "peer2", "peer3"]
@@ -39,6 +39,8 @@ def test_proc_and_log_parsing():
     status = "Name:\tpython\nVmRSS:\t  123456 kB\nRssAnon:\t 1 kB\nThreads:\t7\n"
     assert parse_status(status) == {"rss_bytes": 123456 * 1024, "threads": 7}
     assert parse_status("Name:\tkthreadd\nThreads:\t1\n") == {"rss_bytes": 0, "threads": 1}
+    assert [fd_kind(t) for t in ("socket:[81]", "pipe:[82]", "/dev/shm/torch_1_2_3 (deleted)", "/tmp/a.log",
+                                 "anon_inode:[eventpoll]")] == ["socket", "pipe", "shm", "file", "other"]
     log = ("peer1 r3: network: p2pd (pid 12) died; restarted the network stack (1 of 5 tries)\n"
            "peer1 r3: network: the DHT process died; restarting the network stack failed (Timeout)\n"
            "Traceback (most recent call last):\nTask exception was never retrieved\n"
@@ -73,6 +75,16 @@ def test_start_and_end_leave_out_warmup_and_settling():
     assert row["metrics_bytes"] == (0, 4800)
     assert row["metrics_bytes_per_min"] == pytest.approx(4800 / ((495 - 180) / 60))
     assert (row["committed"], row["attempted"], row["restarted"]) == (9, 12, 2)
+
+
+@pytest.mark.timeout(30)
+def test_growth_within_a_life_is_read_from_medians_at_its_ends():
+    # one sample taken during an all-reduce (its connections open) at the end is not growth; a rise held is
+    assert life_ratio([100, 101, 100, 99, 100, 100, 100, 130]) == pytest.approx(1.0)
+    assert life_ratio([100, 101, 100, 99, 100, 100, 130, 130, 130, 130]) == pytest.approx(1.3)
+    assert life_ratio([100, 120]) == pytest.approx(1.2)  # a short life: one sample at each end
+    assert life_ratio([100, 100, 100, 112, 112]) == pytest.approx(1.12)  # halves: 2 and 2 of 5
+    assert life_ratio([100]) is None and life_ratio([0, 5]) is None
 
 
 @pytest.mark.timeout(30)
