@@ -203,6 +203,25 @@ def test_supervise_pins_the_ports_a_node_got():
     assert pinned_maddrs(["/ip6/::/tcp/0"], bound) == ["/ip6/::/tcp/0"]  # no IPv6 port known: left to the OS
 
 
+def test_supervise_closes_descriptors_a_dead_helper_never_claimed(tmp_path):
+    from multiprocessing import resource_sharer
+
+    from p2p_diloco.net.failfast import drop_unclaimed_descriptors
+
+    def held() -> int:  # this process's descriptors open on the file
+        return sum(os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path / "state") for fd in os.listdir("/proc/self/fd")
+                   if os.path.exists(f"/proc/self/fd/{fd}"))
+
+    fd = os.open(tmp_path / "state", os.O_CREAT | os.O_RDWR)
+    resource_sharer.DupFd(fd)  # as a command to a helper hands over a future's shared state: a duplicate, kept
+    os.close(fd)               # until the receiver asks for it; a helper killed before reading never does
+    assert held() == 1
+    drop_unclaimed_descriptors()
+    assert held() == 0
+    resource_sharer.DupFd(os.open(os.devnull, os.O_RDONLY))  # the sharer starts again at its next use
+    drop_unclaimed_descriptors()
+
+
 class _DeadWatch:
     """A stack whose DHT process is always found dead (no process needed to test the budget)."""
 

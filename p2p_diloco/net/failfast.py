@@ -177,6 +177,18 @@ def fresh_shared_locks() -> None:
     MPFuture._initialization_lock, MPFuture._update_lock, SharedBytes._lock = mp.Lock(), mp.Lock(), mp.Lock()
 
 
+def drop_unclaimed_descriptors(timeout_s: float = 1.0) -> None:
+    """Once the helpers of a stack have ended, before the next ones start: close the descriptors no process will now
+    claim. A future sent to a helper (in every DHT and averager command) carries its shared state as a descriptor,
+    which multiprocessing passes through the sender's resource sharer: the sender keeps a duplicate until the
+    receiver asks for it. A helper killed before it read the command never asks, and the duplicate stayed open in
+    this process for good (one hivemind future chunk of /dev/shm per command in flight). The sharer starts again at
+    its next use."""
+    from multiprocessing import resource_sharer
+
+    resource_sharer.stop(timeout=timeout_s)
+
+
 def _raw(pipe):
     return pipe._pipe if isinstance(pipe, GuardedPipe) else pipe
 

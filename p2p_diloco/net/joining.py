@@ -98,7 +98,7 @@ def rejoin(peer):
     the roster. θ_local, θ_global, the outer state and the data position are the peer's and stay as they are; the
     next round catches up with the run through the ordinary join/rebase path. Returns the new stack's Watch."""
     from p2p_diloco.net.dht import visible_maddrs
-    from p2p_diloco.net.failfast import close_host_side, fresh_shared_locks
+    from p2p_diloco.net.failfast import close_host_side, drop_unclaimed_descriptors, fresh_shared_locks
     from p2p_diloco.net.membership import Membership
     from p2p_diloco.net.supervise import pinned_maddrs
 
@@ -112,6 +112,7 @@ def rejoin(peer):
         peer.dht.shutdown()
     close_host_side(peer.dht)  # its pipes, before the new helpers are forked: they would inherit them for good
     fresh_shared_locks()  # a helper killed holding one of hivemind's would block the new ones for good
+    drop_unclaimed_descriptors()  # the dead helpers' share of commands they never read
     peer.dht = peer.dht.relaunch(pinned_maddrs(peer.cfg.network.host_maddrs, peer.supervisor.watch.bound))
     peer.averager = _averager(peer, members.prefix, members.reachability, old.access)
     if residual is not None and peer.averager.error_feedback is not None:

@@ -91,13 +91,14 @@ class _Node:
     def _restart(self):
         from dataclasses import replace
 
-        from p2p_diloco.net.failfast import close_host_side, fresh_shared_locks
+        from p2p_diloco.net.failfast import close_host_side, drop_unclaimed_descriptors, fresh_shared_locks
         from p2p_diloco.net.supervise import pinned_maddrs
 
         if self.dht.is_alive():
             self.dht.shutdown()
         close_host_side(self.dht)  # its pipes, before the new DHT process is forked: it would inherit them
         fresh_shared_locks()  # a DHT process killed holding one of hivemind's would block the new one for good
+        drop_unclaimed_descriptors()  # the dead process's share of commands it never read
         host = pinned_maddrs(self.cfg.host_maddrs, self.supervisor.watch.bound)  # where peers know this node
         return self.start(_start_with_relay(replace(self.cfg, host_maddrs=host), self.echo))
 
