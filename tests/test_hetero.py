@@ -5,14 +5,17 @@ older checkpoint both rebase their local work onto the run's θ_global, contribu
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
 from p2p_diloco.config import load_config
+from p2p_diloco.ops.faults import HOLD_FILE
 from p2p_diloco.ops.metrics import read_jsonl
 from p2p_diloco.ops.swarm import DEMO_DEFAULTS, ChaosPlan, run_swarm, write_peer_config
 
-ROUNDS = 7  # the frozen and the restarted peer are back after round 4 and commit in round 5: two rounds to spare
+ROUNDS = 7
+BACK_BY = 5  # peer0 and peer1 wait in round 6's inner steps until both late peers are back and hold round 5
 
 
 @pytest.mark.timeout(420)
@@ -22,11 +25,21 @@ def test_dylu_and_late_peers_rebase_while_every_round_agrees(tmp_path, process_t
                                 "averaging.roster_ttl": 6.0, "diloco.max_staleness": 10})
     # halfway through round 2, peer2 freezes (SIGSTOP) and peer3 stops gracefully (its checkpoint holds half a
     # round of work on round 1's θ_global); after round 4 peer2 is thawed, and a second process for peer3, started
-    # at launch, resumes from that checkpoint (a restart)
-    plan = ChaosPlan(faults={"peer2": "stall:inner:2", "peer3": "term:inner:2"},
+    # at launch, resumes from that checkpoint (a restart). Rounds here can take under a second: unheld, the others
+    # could end the run while a late peer is still catching up (CI: peer3 fetched round 4, then round 5, then round
+    # 7, the last). So peer0 and peer1 wait in round 6's inner steps until both have rebased and hold round 5.
+    plan = ChaosPlan(faults={"peer2": "stall:inner:2", "peer3": "term:inner:2",
+                             "peer0": f"hold:inner:{BACK_BY + 1}", "peer1": f"hold:inner:{BACK_BY + 1}"},
                      actions=[(4, "restart", "peer3"), (4, "cont", "peer2")])
-    rc = run_swarm(4, ROUNDS, 20, str(tmp_path), write_peer_config(tmp_path, cfg), plan=plan, slowdowns=[1, 4],
-                   timeout=360, echo=lambda s: None)
+    done = threading.Event()
+    releaser = threading.Thread(target=_release_when_rebased, args=(tmp_path, done), daemon=True)
+    releaser.start()
+    try:
+        rc = run_swarm(4, ROUNDS, 20, str(tmp_path), write_peer_config(tmp_path, cfg), plan=plan, slowdowns=[1, 4],
+                       timeout=360, echo=lambda s: None)
+    finally:
+        done.set()
+        releaser.join(timeout=10)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert rc == 0, _diagnose(tmp_path, summary)
     assert [r["round"] for r in summary["rounds"]] == list(range(1, ROUNDS + 1))
@@ -51,6 +64,24 @@ def test_dylu_and_late_peers_rebase_while_every_round_agrees(tmp_path, process_t
         assert after, f"{name} never committed after rebasing"
         assert name in rounds[name][min(after)]["outer/peers"]  # its rebased work is in that average
     assert "resumed at round 1" in (tmp_path / "peer3.log").read_text()
+
+
+def _release_when_rebased(tmp_path, done: threading.Event) -> None:
+    """Remove peer0's and peer1's hold files once both are held and peer2 and peer3 have rebased and hold round
+    BACK_BY's θ_global, rebased onto it or committed (or when the test ends; a hold also ends after HOLD_MAX_S)."""
+    holds = [tmp_path / name / HOLD_FILE for name in ("peer0", "peer1")]
+
+    def back(name: str) -> bool:
+        records = read_jsonl(tmp_path / name / "metrics.jsonl")
+        held = [r["round"] for r in records if r.get("event") == "rebase" or r.get("event") == "round" and r["committed"]]
+        return any(r.get("event") == "rebase" for r in records) and max(held, default=0) >= BACK_BY
+
+    while not done.is_set():
+        if back("peer2") and back("peer3") and all(h.exists() for h in holds):
+            for h in holds:
+                h.unlink()
+            return
+        done.wait(0.2)  # the peers' metrics files and hold files: other processes' files, polled
 
 
 def _rounds(tmp_path, name):
