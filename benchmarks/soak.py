@@ -7,6 +7,10 @@
 * ``kill_dht``: SIGKILL to the peer's DHT child process (the parent of its p2pd);
 * ``term_restart``: SIGTERM to the peer's process group (SIGKILL after ``--stop-grace`` s), then a restart.
 
+After the faults' minutes come ``--quiet-min`` minutes without any (default 2), so that the end is measured on a
+settled swarm: a fault on one peer moves the others' descriptors for a minute (its state download, their new
+connections), and the last fault would otherwise fall in the end's window.
+
 A peer that exits by itself (for example after a helper died) is restarted too, and the exit is recorded. Every
 ``--sample-every`` seconds, per peer: resident memory, open descriptors and threads of all its processes together
 (the main process and every descendant, read from /proc) and of the main process alone; its run folder's size
@@ -267,11 +271,11 @@ class Soak:
         self.t0 = time.monotonic()  # the soak's clock: faults, samples and warm-up count from the first commit
         plan = plan_faults(args.seed, args.minutes, self.names, args.fault_every)
         self.emit(kind="config", minutes=args.minutes, peers=args.peers, inner_steps=args.inner_steps,
-                  seed=args.seed, start_up_s=start_up_s, warmup_min=args.warmup_min, settle_s=args.settle_s, sample_every_s=args.sample_every,
+                  seed=args.seed, quiet_min=args.quiet_min, start_up_s=start_up_s, warmup_min=args.warmup_min, settle_s=args.settle_s, sample_every_s=args.sample_every,
                   fault_every_s=args.fault_every, plan=plan, bootstrap=maddrs[0], code=args.label,
                   p2p_diloco=str(Path(sys.modules["p2p_diloco"].__file__).parent))
         next_sample = 0.0
-        while self.now() < args.minutes * 60:
+        while self.now() < (args.minutes + args.quiet_min) * 60:  # the faults' minutes, then the quiet end
             while plan and plan[0][0] <= self.now():
                 _, kind, name = plan.pop(0)
                 if name in self.stopping:
@@ -303,6 +307,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100_000, help="run.rounds: more than the soak can reach")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault rotation")
     parser.add_argument("--fault-every", type=float, default=60.0, help="seconds between faults (default 60)")
+    parser.add_argument("--quiet-min", type=float, default=2.0,
+                        help="minutes without faults after the last one, at the end: the end is measured on a settled "
+                        "swarm, not on one still serving the last fault's state transfer (default 2)")
     parser.add_argument("--sample-every", type=float, default=15.0, help="seconds between samples (default 15)")
     parser.add_argument("--warmup-min", type=float, default=3.0,
                         help="warm-up: samples before this many minutes are left out of start/end (default 3)")
@@ -313,8 +320,8 @@ def main() -> None:
     parser.add_argument("--label", default="", help="a note saved in the results, e.g. the commit measured")
     parser.add_argument("--keep", action="store_true", help="keep the swarm's temporary folder (logs, metrics)")
     args = parser.parse_args()
-    if args.peers < 2 or args.minutes <= 0:
-        print("soak: --peers must be at least 2 and --minutes positive", file=sys.stderr)
+    if args.peers < 2 or args.minutes <= 0 or args.quiet_min < 0:
+        print("soak: --peers must be at least 2, --minutes positive and --quiet-min not negative", file=sys.stderr)
         sys.exit(2)
     root = Path(tempfile.mkdtemp(prefix="soak-"))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # a stop, like Ctrl-C
