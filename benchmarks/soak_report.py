@@ -107,13 +107,13 @@ def _median(values: list[float]) -> Optional[float]:
 
 
 def life_ratio(values: list[float]) -> Optional[float]:
-    """End over start of one process's steady samples, each end the median of up to :data:`WINDOW` samples (fewer
-    when the life is short: half of them each), as the run's start and end are: one sample taken while an all-reduce
-    holds its connections open is not read as growth. None for fewer than 2 samples or a start of 0."""
-    if len(values) < 2:
+    """End over start of one process's steady samples, each end the median of :data:`WINDOW` samples, as the run's
+    start and end are: one sample taken while an all-reduce holds its connections open is not read as growth. None
+    for a life shorter than two windows (a minute at each end that do not overlap: too short to tell a level from
+    a transient, such as the state transfers after a neighbour's fault) or a start of 0."""
+    if len(values) < 2 * WINDOW:
         return None
-    window = min(WINDOW, len(values) // 2)
-    start, end = _median(values[:window]), _median(values[-window:])
+    start, end = _median(values[:WINDOW]), _median(values[-WINDOW:])
     return end / start if start else None
 
 
@@ -136,6 +136,7 @@ def summarize(samples: list[dict], warmup_s: float, settle_s: float = 60.0) -> d
         ratios = [ratio for pid in {s["pid"] for s in steady}
                   if (ratio := life_ratio([s["tree"][key] for s in steady if s["pid"] == pid])) is not None]
         row[f"tree_{key}_worst_life"] = max(ratios, default=None)
+    row["lives"] = (len(ratios), len({s["pid"] for s in steady}))  # (long enough to judge, all)
     after = [s for s in samples if s["t_s"] >= warmup_s and "dir_bytes" in s]
     if len(after) >= 2 and after[-1]["t_s"] > after[0]["t_s"]:
         minutes = (after[-1]["t_s"] - after[0]["t_s"]) / 60
@@ -213,7 +214,8 @@ def render(rows: dict[str, dict], events: dict[str, dict]) -> str:
     """The per-peer Markdown table: RSS (MiB, all the peer's processes; main process), FDs, threads and folder size
     start → end after warm-up, restarts (ours by kind, the helpers' from the log), rounds committed / attempted."""
     head = ["peer", "RSS MiB, all processes", "ratio", "RSS MiB, main", "FDs, all", "ratio",
-            "RSS / FDs, most grown in one process's life", "/dev/shm MiB held",
+            "RSS / FDs, most grown in one process's life (lives of 2+ min judged)",
+            "/dev/shm MiB held",
             "threads, all",
             "run folder MiB", "log KiB", "restarted by the soak", "exits of its own", "helper restarts (log)",
             "rounds committed / attempted"]
@@ -224,7 +226,8 @@ def render(rows: dict[str, dict], events: dict[str, dict]) -> str:
             name, _pair(row.get("tree_rss_bytes"), _mib), _ratio(row.get("tree_rss_bytes_ratio")),
             _pair(row.get("main_rss_bytes"), _mib), _pair(row.get("tree_fds"), lambda x: f"{x:.0f}"),
             _ratio(row.get("tree_fds_ratio")),
-            f"{_ratio(row.get('tree_rss_bytes_worst_life'))} / {_ratio(row.get('tree_fds_worst_life'))}", _pair(row.get("tree_shm_bytes"), lambda x: f"{x / 2 ** 20:.1f}"),
+            f"{_ratio(row.get('tree_rss_bytes_worst_life'))} / {_ratio(row.get('tree_fds_worst_life'))}"
+            + (f" ({row['lives'][0]} of {row['lives'][1]} lives)" if row.get("lives") else ""), _pair(row.get("tree_shm_bytes"), lambda x: f"{x / 2 ** 20:.1f}"),
             _pair(row.get("tree_threads"), lambda x: f"{x:.0f}"),
             _pair(row.get("dir_bytes"), lambda x: f"{x / 2 ** 20:.1f}"),
             _pair(row.get("log_bytes"), lambda x: f"{x / 1024:.0f}"),

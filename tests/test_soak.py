@@ -82,9 +82,9 @@ def test_growth_within_a_life_is_read_from_medians_at_its_ends():
     # one sample taken during an all-reduce (its connections open) at the end is not growth; a rise held is
     assert life_ratio([100, 101, 100, 99, 100, 100, 100, 130]) == pytest.approx(1.0)
     assert life_ratio([100, 101, 100, 99, 100, 100, 130, 130, 130, 130]) == pytest.approx(1.3)
-    assert life_ratio([100, 120]) == pytest.approx(1.2)  # a short life: one sample at each end
-    assert life_ratio([100, 100, 100, 112, 112]) == pytest.approx(1.12)  # halves: 2 and 2 of 5
-    assert life_ratio([100]) is None and life_ratio([0, 5]) is None
+    assert life_ratio([100, 100, 100, 100, 112, 112, 112, 112]) == pytest.approx(1.12)  # two windows, no more
+    assert life_ratio([100, 100, 100, 112, 112, 112, 112]) is None  # shorter: a level is not told from a transient
+    assert life_ratio([0] * 4 + [5] * 4) is None
 
 
 @pytest.mark.timeout(30)
