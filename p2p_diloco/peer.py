@@ -231,6 +231,8 @@ class Peer:
 
     def _after_commit(self) -> None:
         """What is due on the new θ_global: a checkpoint, an export, a text sample (each every K rounds)."""
+        if self.supervisor is not None:
+            self.supervisor.served()  # the network stack works: its restart, if any, held
         run = self.cfg.run
         for every, action in ((run.checkpoint_every, outputs.save), (run.export_every, outputs.export),
                               (run.sample_every, outputs.sample)):

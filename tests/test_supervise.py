@@ -254,6 +254,28 @@ def test_supervise_gives_up_after_repeated_failed_restarts(monkeypatch, caplog):
     assert "the DHT process died (exit -9)" in str(raised.value) and "giving up" in str(raised.value)
 
 
+def test_supervise_a_restart_that_served_a_round_counts_as_one_that_worked(monkeypatch):
+    import p2p_diloco.net.supervise as supervise
+
+    monkeypatch.setattr(supervise, "Watchdog", _IdleWatchdog)
+
+    class _FreshDeadWatch(_DeadWatch):  # a stack restarted just now, found dead again
+        def __init__(self):
+            self.started = time.monotonic()
+
+    supervisor = Supervisor(_DeadWatch(), _FreshDeadWatch)
+    supervisor.stop_event.wait = lambda timeout: False  # the back-off between tries, skipped
+    for _ in range(2 * MAX_FAILED_RESTARTS):  # a round committed through each new stack before it died
+        assert supervisor.ensure()
+        supervisor.served()
+    assert supervisor.failed_in_a_row == 0
+    for _ in range(MAX_FAILED_RESTARTS):  # the last served stack's death is no failure; the next ones, dead within
+        assert supervisor.ensure()        # STABLE_S having served nothing, are failed restarts
+    assert supervisor.failed_in_a_row == MAX_FAILED_RESTARTS - 1
+    with pytest.raises(NetworkLost):
+        supervisor.ensure()
+
+
 class _IdleWatchdog:
     def __init__(self, watch):
         self.found = None

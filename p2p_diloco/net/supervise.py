@@ -15,7 +15,8 @@ reads (it blocks once the pipe is full) and waits for an answer that never comes
 * :class:`Supervisor`: :meth:`~Supervisor.ensure` between rounds (one call at the top of the round loop) restarts
   the stack through the caller's ``restart`` function, logging one line that says what died and what it did, and
   raises :class:`NetworkLost` (exit code 3, one line) after :data:`MAX_FAILED_RESTARTS` failed restarts in a row.
-  A restart counts as failed if it raised, or if the new stack died within :data:`STABLE_S` seconds.
+  A restart counts as failed if it raised, or if the new stack died within :data:`STABLE_S` seconds without having
+  served (a peer says so through :meth:`~Supervisor.served` when a round commits through it).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ PING_EVERY_S = 10.0  # responsiveness of the DHT process and its p2pd (one messa
 PING_TIMEOUT_S = 15.0  # a ping unanswered this long is a miss (2 busy cores: the DHT process may lag seconds)
 PING_MISSES = 2  # misses in a row before the stack counts as unresponsive
 MAX_FAILED_RESTARTS = 5  # failed restarts in a row before the process gives up (exit code 3)
-STABLE_S = 60.0  # a stack that dies sooner than this after its restart counts as a failed restart
+STABLE_S = 60.0  # a stack that dies sooner than this after its restart, having served nothing, is a failed restart
 
 
 class NetworkLost(JoinError):
@@ -223,6 +224,7 @@ class Supervisor:
 
     def _arm(self, watch: Watch) -> None:
         self.watch = watch
+        self._served = False  # by this stack: a committed round through it proves its restart worked
         self._watchdog = Watchdog(watch)
         self._watchdog.start()
 
@@ -244,7 +246,7 @@ class Supervisor:
         if found is None:
             return False
         helper, what = found
-        if time.monotonic() - self.watch.started < STABLE_S and self.restarts:
+        if time.monotonic() - self.watch.started < STABLE_S and self.restarts and not self._served:
             self.failed_in_a_row += 1  # the last restart did not hold
         else:
             self.failed_in_a_row = 0
@@ -266,6 +268,12 @@ class Supervisor:
             self._arm(watch)
             return True
         return False
+
+    def served(self) -> None:
+        """The stack did its work (a round committed through it): if it dies now, its restart still counts as one
+        that worked, however soon (helpers dying seconds apart, a round committed in between each time, no longer
+        add up to giving up)."""
+        self._served = True
 
     def _check_budget(self, what: str) -> None:
         if self.failed_in_a_row >= MAX_FAILED_RESTARTS:
