@@ -10,11 +10,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from p2p_diloco.ops.faults import HOLD_FILE
 from p2p_diloco.ops.swarm import LocalSwarm
 from p2p_diloco.ops.telemetry import MAX_LABEL_CHARS, MAX_LABEL_SETS, PrometheusSink, Telemetry
 
@@ -187,6 +189,15 @@ PEER_ARGS = ["--model.name=tiny", "--model.seq_len=32", "--inner.batch_size=4", 
              "--run.run_id=metrics-test", "--run.checkpoint_every=0", "--run.rounds=4"]
 
 
+def _release(hold: Path) -> None:
+    """End a peer's ``hold:`` fault (ops/faults.py): it waits while its hold file exists."""
+    deadline = time.monotonic() + 60
+    while not hold.exists():
+        assert time.monotonic() < deadline, f"{hold} never appeared"
+        time.sleep(0.1)  # another process's file: polled
+    hold.unlink()
+
+
 def _wait_scrape(port: int, until, timeout: float, what: str, proc) -> dict:
     """Scrape until ``until(families)`` holds; the peer's process must stay alive meanwhile."""
     deadline = time.monotonic() + timeout
@@ -212,10 +223,15 @@ def test_metrics_live_swarm_serves_the_named_metrics_and_they_move_as_rounds_com
     swarm = LocalSwarm(tmp_path, peer_args=PEER_ARGS)
     try:
         swarm.start_bootstrap()
+        # Rounds here can take a tenth of a second (CI: all 4 within one second, the peer gone before a second
+        # scrape). So peer0 waits in round 2's inner steps until the first scrape, and peer1 in round 3's until the
+        # scrapes are done: peer0 cannot commit round 3 without it (the quorum), nor end the run.
+        holds = {"peer0": 2, "peer1": 3}
         for name, port in ports.items():
-            swarm.start_peer(name, [f"--metrics.port={port}"])
+            swarm.start_peer(name, [f"--metrics.port={port}", f"--fault.inject=hold:inner:{holds[name]}"])
         proc = swarm.peers["peer0"].proc
         first = _wait_scrape(ports["peer0"], lambda f: _committed(f) >= 1, 150, "a committed round", proc)
+        _release(tmp_path / "peer0" / HOLD_FILE)
         later = _wait_scrape(ports["peer0"], lambda f: _committed(f) > _committed(first), 90,
                              "a second committed round", proc)
         assert set(NAMED) <= set(later), sorted(set(NAMED) - set(later))
@@ -231,6 +247,7 @@ def test_metrics_live_swarm_serves_the_named_metrics_and_they_move_as_rounds_com
         other = _wait_scrape(ports["peer1"], lambda f: _committed(f) >= 1, 60, "peer1's committed round",
                              swarm.peers["peer1"].proc)
         assert _value(other, "p2p_diloco_peer_info", peer="peer1", run_id="metrics-test") == 1
+        _release(tmp_path / "peer1" / HOLD_FILE)
         for child in swarm.peers.values():  # both finish their rounds and exit cleanly, closing the endpoint
             assert child.proc.wait(timeout=120) == 0, child.log_path.read_text()[-3000:]
         with pytest.raises(urllib.error.URLError):
