@@ -22,7 +22,7 @@ round is already in the run's average; then it is dropped. θ_global itself is o
 Entering the swarm lives in :mod:`p2p_diloco.net.joining`; the roster, sync and state transfers in
 :mod:`p2p_diloco.net.membership`; θ_global, the outer state and the round in
 :class:`~p2p_diloco.train.global_state.GlobalState`; checkpoints, exports and text samples in
-:mod:`p2p_diloco.ops.outputs`.
+:mod:`p2p_diloco.ops.outputs`; a round's metrics record, log line and roster report in :mod:`p2p_diloco.ops.records`.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ import torch
 from p2p_diloco.config import Config
 from p2p_diloco.net import consensus, joining
 from p2p_diloco.net.exchange import Exchange
-from p2p_diloco.ops import outputs
+from p2p_diloco.ops import outputs, records
 from p2p_diloco.ops.faults import HOLD_FILE, parse_fault
 from p2p_diloco.ops.stop import grace_left
-from p2p_diloco.ops.metrics import MetricsSink, build_sink, throughput_text
+from p2p_diloco.ops.metrics import MetricsSink, build_sink
 from p2p_diloco.ops.standing import StandingSink
 from p2p_diloco.train.global_state import GlobalState
 from p2p_diloco.train.inner import evaluate
@@ -215,8 +215,9 @@ class Peer:
         shared = committed and result.speeds and not self.exchange.overlapped
         self.rounds.group_clock = (settled.ended, result.speeds) if shared else None
         after = steps if settled.after_steps is None else settled.after_steps  # where the loop took the result
-        self._log_round(result, committed, train_loss, tokens, steps, {**timing, "outer/settled_after_steps": after})
-        self._report(result, train_loss, steps, committed)
+        records.log_round(self, result, committed, train_loss, tokens, steps,
+                          {**timing, "outer/settled_after_steps": after})
+        records.report(self, result, train_loss, steps, committed)
         if committed:
             self._after_commit()
 
@@ -311,48 +312,6 @@ class Peer:
     @property
     def pace(self):
         return self.rounds.pace
-
-    def _log_round(self, result, committed: bool, train_loss: float, tokens: int, steps: int, timing: dict) -> None:
-        deadlines = getattr(self.averager, "deadlines", None)  # a mocked averager has none
-        deadline = deadlines.allreduce_timeout if deadlines is not None else None
-        record = {"event": "round", "peer": self.name, "round": self.round, "committed": committed,
-                  "run/round": max(self.run_round, self.round),
-                  "outer/group_size": result.group_size, "outer/peers": result.peers, "train/loss": train_loss,
-                  "train/tokens": tokens, "train/inner_steps": steps,
-                  "train/planned_steps": self.rounds.planned if steps else 0, "outer/allreduce_s": result.seconds,
-                  "outer/allreduce_only_s": result.allreduce_seconds, "outer/allreduce_timeout_s": deadline,
-                  "outer/bytes_sent": result.bytes_sent, "outer/bytes_received": result.bytes_received,
-                  "outer/reducer_bytes": getattr(result, "reducer_bytes", 0),
-                  "global_params_sha256": self.state.params_digest, "state_sha256": self.state.digest,
-                  "error": result.error, **timing, **self.replica.round_stats(tokens, timing["time/inner_s"]),
-                  **(self.rounds.background_split if steps else {})}
-        eval_every = self.cfg.run.eval_every
-        if committed and eval_every and self.round % eval_every == 0:
-            begun = time.perf_counter()
-            record["eval/loss"] = self._evaluate()
-            record["time/eval_s"] = time.perf_counter() - begun
-        self.metrics.log(record)
-        if committed:
-            ev = f", eval {record['eval/loss']:.4f}" if "eval/loss" in record else ""
-            self.log.info(f"round {self.round}: group {result.group_size}, train loss {train_loss:.4f}{ev}, "
-                          f"all-reduce {result.seconds:.2f} s, sent {result.bytes_sent / 1e6:.2f} MB, "
-                          f"{throughput_text(record)}")
-        else:
-            self.log.warning(f"round {self.round + 1} not committed ({result.error}); θ_global kept, "
-                             f"training continues from θ_local")
-
-    def _report(self, result, train_loss: float, steps: int, committed: bool) -> None:
-        """What the roster shows about our work (published with the next heartbeat or state change): our speed
-        over recent rounds (averaging excluded), tokens trained, the last all-reduce, the last round's inner steps
-        (done and planned) and mean training loss."""
-        if self.membership is not None:
-            self.membership.work.update(steps_per_s=self.pace.steps_per_s, tokens_per_s=self.pace.tokens_per_s,
-                                        tokens_trained=self.tokens_trained, last_allreduce_s=result.seconds,
-                                        last_bytes=result.bytes_sent + result.bytes_received, last_steps=steps,
-                                        last_round=self.round if committed else self.round + 1,
-                                        last_planned_steps=self.rounds.planned if steps else 0,
-                                        last_loss=train_loss if 0 < train_loss < 1e4 else 0.0,  # NaN: none
-                                        missed_rounds=self._missed_rounds())
 
     def _run_round(self, live: list) -> int:
         """The run's round as the roster shows it (ops/standing.py): the latest round credible to us, so that a

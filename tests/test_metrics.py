@@ -29,7 +29,7 @@ NAMED = ("p2p_diloco_rounds_committed", "p2p_diloco_rounds_failed", "p2p_diloco_
 
 
 def _round(committed: bool, round_: int, **extra) -> dict:
-    """A round record as Peer._log_round writes it (the keys the telemetry reads, and a few it ignores)."""
+    """A round record as ops/records.py log_round writes it (the keys the telemetry reads, and a few it ignores)."""
     record = {"event": "round", "peer": "p0", "round": round_, "committed": committed, "outer/group_size": 2,
               "outer/peers": ["p0", "p1"], "train/loss": 3.5, "train/tokens": 1000, "train/inner_steps": 10,
               "outer/allreduce_s": 1.5, "outer/allreduce_only_s": 0.5, "outer/bytes_sent": 4000,
