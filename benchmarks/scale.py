@@ -10,6 +10,13 @@ per run) and a Markdown table is printed. Run:
 
     python benchmarks/scale.py --peers 16 32 --runs 5 --rounds 4 --inner-steps 10 --out benchmarks/results/scale.jsonl
     python benchmarks/scale.py --table benchmarks/results/scale.jsonl   # the table again, from the results
+
+With ``--kill-each-round SEED`` each run is ``p2p-diloco swarm --kill-each-round SEED+i`` (run i): from round 2 on one
+member is SIGKILLed in every round at a seeded phase and a fresh peer started in its place. The table then counts the
+attempts that failed on peers never killed (the survivors: the target is none) apart from those of the replacements
+(a peer that joins while a round is under way may contribute to the round the run just left, and repairs):
+
+    python benchmarks/scale.py --peers 16 --runs 5 --rounds 6 --kill-each-round 1 --out benchmarks/results/scale-kill.jsonl
 """
 
 from __future__ import annotations
@@ -29,15 +36,17 @@ from p2p_diloco.ops.metrics import read_jsonl
 from p2p_diloco.ops.swarm import run_swarm, write_peer_config
 
 
-def one_run(peers: int, rounds: int, inner_steps: int, timeout: float) -> dict:
+def one_run(peers: int, rounds: int, inner_steps: int, timeout: float, kill_seed=None) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"scale-{peers}-"))
     begun = time.monotonic()
     rc = run_swarm(peers, rounds, inner_steps, str(run_dir), write_peer_config(run_dir, demo_config()),
-                   timeout=timeout, echo=lambda s: None)
+                   timeout=timeout, echo=lambda s: None, kill_each_round=kill_seed)
     wall = time.monotonic() - begun
     summary = json.loads((run_dir / "summary.json").read_text())
-    records = [r for p in sorted(run_dir.iterdir()) if (p / "metrics.jsonl").is_file()
+    records = [dict(r, peer=p.name) for p in sorted(run_dir.iterdir()) if (p / "metrics.jsonl").is_file()
                for r in read_jsonl(p / "metrics.jsonl") if r.get("event") == "round"]
+    killed = {e["peer"] for e in summary["events"] if e["kind"] == "kill"}
+    replacements = {e["peer"] for e in summary["events"] if e["kind"] == "join"}
     committed = [r for r in records if r.get("committed")]
     per_round = []
     for s in summary["rounds"]:
@@ -49,8 +58,14 @@ def one_run(peers: int, rounds: int, inner_steps: int, timeout: float) -> dict:
     result = {"peers": peers, "rounds": rounds, "inner_steps": inner_steps, "exit_code": rc, "wall_s": wall,
               "rounds_committed": len(summary["rounds"]), "forked_rounds": summary["forked_rounds"],
               "failed_attempts": summary["failed_attempts"], "per_round": per_round,
-              "failures": [f"round {r['round']}: {str(r.get('error'))[:200]}" for r in records
+              "failures": [f"{r['peer']} round {r['round']}: {str(r.get('error'))[:200]}" for r in records
                            if not r.get("committed")]}
+    if kill_seed is not None:
+        result.update(kill_seed=kill_seed, kills=[(e["peer"], e["phase"]) for e in summary["events"]
+                                                  if e["kind"] == "kill"],
+                      survivor_failures=sum(not r.get("committed") for r in records
+                                            if r["peer"] not in killed | replacements),
+                      replacement_failures=sum(not r.get("committed") for r in records if r["peer"] in replacements))
     if rc == 0:
         shutil.rmtree(run_dir)
     else:
@@ -60,6 +75,8 @@ def one_run(peers: int, rounds: int, inner_steps: int, timeout: float) -> dict:
 
 def render(results: list[dict]) -> str:
     rows = []
+    if any("kill_seed" in r for r in results):
+        return render_kills([r for r in results if "kill_seed" in r])
     for n in sorted({r["peers"] for r in results}):
         runs = [r for r in results if r["peers"] == n]
         rounds = [x for r in runs for x in r["per_round"]]
@@ -78,6 +95,18 @@ def render(results: list[dict]) -> str:
                   "wall s per run (median)"], rows)
 
 
+def render_kills(results: list[dict]) -> str:
+    rows = []
+    for r in results:
+        groups = [x["group_size"] for x in r["per_round"]]
+        rows.append([r["peers"], r["kill_seed"], ", ".join(f"{peer} ({phase})" for peer, phase in r["kills"]),
+                     f"{r['rounds_committed']} of {r['rounds']}", len(r["forked_rounds"]),
+                     f"{min(groups, default=0)}–{max(groups, default=0)}", r["survivor_failures"],
+                     r["replacement_failures"], f"{r['wall_s']:.0f}"])
+    return table(["N", "seed", "killed (phase)", "rounds committed", "forked rounds", "group size",
+                  "attempts failed on survivors", "on replacements", "wall s"], rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("Run:")[0].strip(), epilog="Run: see the module "
                                      "docstring", formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,6 +117,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run before its peers are stopped")
     parser.add_argument("--out", type=Path, help="append each run's result (JSON line) to this file")
     parser.add_argument("--table", type=Path, help="print the table of a results file and exit")
+    parser.add_argument("--kill-each-round", type=int, metavar="SEED",
+                        help="kill one member in every round from round 2 (seed SEED + run index), as the swarm does")
     args = parser.parse_args()
     if args.table is not None:
         if not args.table.is_file():
@@ -101,7 +132,8 @@ def main() -> int:
     results = []
     for n in args.peers:
         for i in range(args.runs):
-            result = one_run(n, args.rounds, args.inner_steps, args.timeout)
+            seed = None if args.kill_each_round is None else args.kill_each_round + i
+            result = one_run(n, args.rounds, args.inner_steps, args.timeout, seed)
             results.append(result)
             print(f"N={n} run {i + 1}: exit {result['exit_code']}, {result['rounds_committed']} rounds, forked "
                   f"{result['forked_rounds']}, {result['failed_attempts']} failed attempts, {result['wall_s']:.0f} s",

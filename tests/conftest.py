@@ -164,3 +164,17 @@ def bpe_tokenizer(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("bpe")
     PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>").save_pretrained(str(folder))
     return str(folder)
+
+
+def identities(folder, names) -> dict[str, str]:
+    """An identity file per name, the smallest peer id to the first name, then in order: the round's designated
+    leader (net/consensus.py designated_leader) is the smallest id among the peers at its round."""
+    from hivemind.p2p import P2P, PeerID
+
+    made = []
+    for i in range(len(names)):
+        path = os.path.join(str(folder), f"identity{i}.key")
+        P2P.generate_identity(path)
+        with open(path, "rb") as f:
+            made.append((PeerID.from_identity(f.read()).to_base58(), path))
+    return {name: path for name, (_, path) in zip(names, sorted(made))}

@@ -9,6 +9,7 @@ import json
 import threading
 
 import pytest
+from conftest import identities
 
 from p2p_diloco.config import load_config
 from p2p_diloco.ops.faults import HOLD_FILE
@@ -115,6 +116,26 @@ def test_kill_while_the_allreduce_is_in_flight(tmp_path, process_tag):
     assert [(e["peer"], e["phase"]) for e in _events(summary, "kill")] == [("peer2", "allreduce")]
     for name in ("peer0", "peer1"):  # both survivors finish: by committing, or by repairing from the other
         assert _committed(tmp_path, name)[-1] == 4 or _events(summary, "state_repair")
+
+
+@pytest.mark.timeout(420)
+def test_a_leader_killed_in_its_inner_steps_costs_its_followers_no_attempt(tmp_path, process_tag):
+    """peer0 holds the smallest peer id, so it leads every round (net/consensus.py designated_leader), and dies
+    halfway through round 2's inner steps, before it declares a group. Its followers ping it while they wait, find
+    it dead, pass it over and gather under the next leader within the same attempt (net/exchange.py LeaderWatch):
+    neither loses an attempt. Before, both waited out two matchmaking windows and failed round 2 (a 12-peer swarm
+    with a member killed in each round lost a round on all 11 survivors so)."""
+    ids = identities(tmp_path, ("peer0", "peer1", "peer2"))
+    plan = ChaosPlan(faults={"peer0": "kill:inner:2"},
+                     peer_args={name: [f"--network.identity_path={path}"] for name, path in ids.items()})
+    summary = _run(tmp_path, peers=3, rounds=3, plan=plan, inner_steps=10, min_drop=0.3)
+    assert [(e["peer"], e["phase"]) for e in _events(summary, "kill")] == [("peer0", "inner")]
+    for name in ("peer1", "peer2"):
+        attempts = [(r["round"], r["committed"], r.get("error")) for r in read_jsonl(tmp_path / name / "metrics.jsonl")
+                    if r.get("event") == "round"]
+        assert attempts == [(1, True, None), (2, True, None), (3, True, None)], (name, attempts)
+    logs = (tmp_path / "peer1.log").read_text() + (tmp_path / "peer2.log").read_text()
+    assert "matchmaking abandoned: the leader" in logs and "looking for a group under the next leader" in logs
 
 
 @pytest.mark.timeout(420)

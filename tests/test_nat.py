@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import identities
 
 from p2p_diloco.config import load_config
 from p2p_diloco.ops.faults import HOLD_FILE
@@ -100,19 +101,6 @@ def _held_states(run_dir: Path, names) -> dict[int, dict[str, str]]:
     return held
 
 
-def _identities(tmp_path: Path, names) -> dict[str, str]:
-    """An identity file per name, the smallest peer id to the first name, then in order: the round's designated
-    leader (net/consensus.py designated_leader) is the smallest id among the peers at its round."""
-    from hivemind.p2p import P2P, PeerID
-
-    made = []
-    for i in range(len(names)):
-        path = tmp_path / f"identity{i}.key"
-        P2P.generate_identity(str(path))
-        made.append((PeerID.from_identity(path.read_bytes()).to_base58(), str(path)))
-    return {name: path for name, (_, path) in zip(names, sorted(made))}
-
-
 def _mode(swarm: LabSwarm, name: str) -> str:
     line = next(line for line in swarm.log(name).splitlines() if "taking part as" in line)
     return line.rsplit("taking part as ", 1)[1].strip()
@@ -131,7 +119,7 @@ def test_home_peers_behind_nat_train_survive_a_router_failure_and_continue_throu
     # home2 holds the smallest id: once pub0 has left, each round's designated leader is the peer whose router failed
     # (CI, twice: after the failure home0 and home1 waited for it to gather round 4 for 2 minutes)
     ids = {name: f"--network.identity_path={path}"
-           for name, path in _identities(tmp_path, ("home2", "pub0", "home0", "home1")).items()}
+           for name, path in identities(tmp_path, ("home2", "pub0", "home0", "home1")).items()}
     with Internet() as net:
         swarm = LabSwarm(tmp_path, net, rounds, expected_peers=4)
         try:

@@ -304,3 +304,60 @@ def test_peers_never_commit_an_equivocating_reducers_round_and_agree_once_it_is_
         if r0["round"] >= 2:
             assert sorted(r0["outer/peers"]) == ["peer0", "peer1"], "a round with the attacker was committed"
     assert not any(r["committed"] and r["round"] >= 2 for r in _rounds(tmp_path, "peer2"))
+
+
+def test_checks_that_fail_only_on_members_that_lost_parts_say_so_and_nothing_else_does():
+    """A 12-peer swarm: a reducer killed mid-serving had sent its averages to some members and not to others. Those
+    with every average failed the checks (the others answered that their all-reduce failed) and, before, sat out the
+    survivors' retry, which then failed for lack of their parts: the round was lost on all 11 survivors. Such checks
+    now raise MembersLostParts (averager.py joins the retry then); an equivocation, a malformed answer, a timeout or
+    a refusal are not that, and a failure of a member's own all-reduce is heard only as an INTERNAL_ERROR answer."""
+    import asyncio
+    import time
+
+    from hivemind.averaging.partition import AllreduceException
+    from hivemind.proto import averaging_pb2
+
+    from p2p_diloco.net.averaging.verify import MembersLostParts, PartVerifier, Verification, hear_answer
+
+    own, other = [bytes([i]) * 32 for i in range(4)], [bytes([i]) * 32 for i in (0, 1, 2, 9)]
+    lost = averaging_pb2.MessageFromLeader(
+        code=averaging_pb2.INTERNAL_ERROR,
+        suggested_leader=repr(AllreduceException("its all-reduce failed: lost parts of reducer(s) ['x']")).encode())
+    digests = averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED, gathered=own)
+    answers = {  # member index -> its answer to our call
+        "lost": {1: digests, 2: lost, 3: lost},
+        "lost and equivocated": {1: averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED, gathered=other),
+                                 2: lost, 3: digests},
+        "lost and refused": {1: averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_ID), 2: lost, 3: lost},
+        "timed out": {1: digests, 2: digests, 3: averaging_pb2.MessageFromLeader(
+            code=averaging_pb2.INTERNAL_ERROR, suggested_leader=b"TimeoutError()")},
+        "agreed": {1: digests, 2: digests, 3: digests}}
+
+    class Member(PartVerifier):
+        _verify_until = time.monotonic() + 60
+
+        def __init__(self, heard):
+            self.heard = heard
+
+        async def _call_verify(self, group_id, v, j):
+            hear_answer(v, j, self.heard[j])
+
+    class GroupInfo:
+        group_id = b"g"
+
+    async def check(heard):
+        names = [f"p{i}" for i in range(4)]
+        v = Verification(names, names, 0)
+        try:
+            await asyncio.wait_for(Member(heard)._verify_parts(GroupInfo(), v, own), timeout=5)
+        except AllreduceException as e:
+            return type(e).__name__, str(e)
+        return None
+
+    out = {case: asyncio.run(check(heard)) for case, heard in answers.items()}
+    assert out["lost"][0] == MembersLostParts.__name__ and "member p2 could not verify: AllreduceException(" \
+        "\"its all-reduce failed" in out["lost"][1]
+    for case in ("lost and equivocated", "lost and refused", "timed out"):
+        assert out[case][0] == "AllreduceException", (case, out[case])
+    assert out["agreed"] is None

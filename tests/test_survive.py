@@ -25,3 +25,34 @@ def test_a_survivor_keeps_itself_and_the_members_it_is_still_connected_to_in_the
     assert kept_members([a, b, c, d], me=b, connected={d, a}) == [0, 1, 3]
     assert kept_members([a, b, c, d], me=b, connected=set()) == [1]  # alone: no retry (survive.py needs two)
     assert kept_members([a, b, c, d], me=c, connected={a, b, d, c}) == [0, 1, 2, 3]  # nobody gone: no retry
+
+
+def test_a_follower_gives_up_on_its_leader_only_after_pings_in_a_row_go_unanswered(monkeypatch):
+    """net/exchange.py LeaderWatch: a leader that answers is waited for however long; two unanswered pings in a row
+    end the wait; our own DHT failing to ask is not the leader's fault."""
+    from concurrent.futures import Future
+
+    from p2p_diloco.net.exchange import LeaderWatch
+
+    class FakeDHT:
+        def __init__(self, answers):
+            self.answers, self.asked = list(answers), 0
+
+        def run_coroutine(self, query, return_future=False):
+            self.asked += 1
+            future = Future()
+            answer = self.answers.pop(0)
+            future.set_exception(answer) if isinstance(answer, Exception) else future.set_result(answer)
+            return future
+
+    monkeypatch.setattr(LeaderWatch, "PERIOD_S", 0.0)
+    alive = LeaderWatch(FakeDHT([True] * 5), "12D3KooWleader", timeout=1.0)
+    assert [alive() for _ in range(5)] == [None] * 5
+    flaky = LeaderWatch(FakeDHT([False, True, False, RuntimeError("our DHT died"), False, False]), "x", 1.0)
+    said = [flaky() for _ in range(6)]
+    assert said[:5] == [None] * 5, said  # never two misses in a row: an answer, or our own failure, in between
+    assert said[5] == "the leader …x does not answer (2 pings in a row)"
+
+    monkeypatch.setattr(LeaderWatch, "PERIOD_S", 3600.0)
+    slow = LeaderWatch(FakeDHT([False, False]), "x", 1.0)
+    assert slow() is None and slow() is None and slow.dht.asked == 1  # at most one ping per period

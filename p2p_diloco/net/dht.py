@@ -308,6 +308,30 @@ class _Reconnect:
         return sum(await asyncio.gather(*(ping(m) for m in self.maddrs if "/p2p/" in m)))
 
 
+def answers(dht: hivemind.DHT, peer_id: str, timeout: float) -> Optional[bool]:
+    """Whether the peer's DHT node answers a ping within ``timeout`` (dialed if need be): False for a peer that died
+    (its p2pd went with it) or that we cannot reach; None when our own DHT could not ask (not the peer's fault)."""
+    try:
+        return dht.run_coroutine(_Ping(peer_id, timeout), return_future=True).result(timeout=timeout + 5)
+    except Exception as e:  # noqa: BLE001 - our DHT's process died or is stuck: the supervisor's business
+        logger.debug(f"could not ping {peer_id}: {e!r}")
+        return None
+
+
+class _Ping:
+    """Runs in the DHT's process (picklable, unlike a closure)."""
+
+    def __init__(self, peer_id: str, timeout: float):
+        self.peer_id, self.timeout = peer_id, timeout
+
+    async def __call__(self, _dht, node) -> bool:
+        try:
+            answer = await asyncio.wait_for(node.protocol.call_ping(PeerID.from_base58(self.peer_id)), self.timeout)
+        except Exception:  # noqa: BLE001 - a bad id, a timeout: no answer
+            return False
+        return answer is not None
+
+
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     """Multiaddrs others can dial, with the peer id; loopback ones last."""
     maddrs = [str(m) for m in dht.get_visible_maddrs()]

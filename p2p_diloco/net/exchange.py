@@ -67,6 +67,39 @@ class _SatOut:
         return self.outcome
 
 
+RESTARTS = 3  # how many dead leaders one attempt passes over before it fails (Exchange.settle)
+
+
+class LeaderWatch:
+    """A follower's watch on the leader it waits for (net/averaging/seam.py ``PendingAverage``): a ping every
+    :attr:`PERIOD_S` seconds; after :attr:`MISSES` pings in a row without an answer, why to stop waiting.
+
+    A leader killed during its inner steps never declares its group: its followers used to wait two whole matchmaking
+    windows for it and fail the attempt (a 12-peer swarm with a member killed each round lost round 2 on all 11
+    survivors so), and only its roster entry's expiry made them name another. A dead peer's DHT node does not
+    answer (its p2pd died with it; on loopback the dial is refused at once, over the internet it times out): the
+    followers stop looking, pass it over for the round (consensus.Leaders) and look for the next leader's group within
+    the same attempt. A live leader still in its inner steps answers, and is waited for as before."""
+
+    PERIOD_S, MISSES = 2.0, 2
+
+    def __init__(self, dht, leader: str, timeout: float):
+        self.dht, self.leader, self.timeout = dht, leader, timeout
+        self.misses, self._next = 0, 0.0
+
+    def __call__(self) -> Optional[str]:
+        if time.monotonic() < self._next:
+            return None
+        from p2p_diloco.net.dht import answers
+
+        alive = answers(self.dht, self.leader, self.timeout)
+        self._next = time.monotonic() + self.PERIOD_S
+        self.misses = self.misses + 1 if alive is False else 0
+        if self.misses >= self.MISSES:
+            return f"the leader …{self.leader[-6:]} does not answer ({self.misses} pings in a row)"
+        return None
+
+
 class Exchange:
     """The averaging step of one peer's rounds; ``peer`` is the :class:`~p2p_diloco.peer.Peer` it belongs to."""
 
@@ -85,6 +118,7 @@ class Exchange:
         self._live_modes: list[str] = []  # the live peers' reachability when it started (explanations)
         self.settle_after = peer.cfg.diloco.overlap_steps if self.overlap is not None else 0  # τ; 0: round's end
         self._early: Optional[Settled] = None  # settled after τ steps, returned by the round-end settle()
+        self._live: list = []  # the live roster our last contribution went out with (start)
 
     @property
     def overlapped(self) -> bool:
@@ -120,21 +154,31 @@ class Exchange:
         arrived = False  # an average holding our ``sent`` was committed just now
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            result = pending.result()
+            result, waited = pending.result(), pending.waited
+            for _ in range(RESTARTS):  # the leader we waited for is dead: the next one, within this attempt
+                if not result.abandoned or self.overlap is not None:
+                    break
+                self.leaders.no_group()
+                self.peer.log.info(f"round {self.peer.round + 1}: {result.error}; looking for a group under the "
+                                   f"next leader")
+                self.start(self._live)
+                pending, self.pending = self.pending, None
+                result = pending.result()
+                waited += pending.waited
             if not isinstance(pending, _SatOut):
                 self._explain(result)
             arrived = result.ok and self._commit(result, pending.contribution.tokens)
             if arrived:
                 self.run_size.committed(result.group_size)
                 self.last_group = (self.peer.round, frozenset(result.peers))
-            elif result.error and "could not find a group" in result.error:
+            elif result.abandoned or result.error and "could not find a group" in result.error:
                 self.leaders.no_group()
             elif result.error and "NoQuorum" in result.error:
                 rounds = self.peer.cfg.run.rounds
                 self.run_size.no_quorum(final=rounds is not None and self.peer.round + 1 >= rounds)
             if not arrived and not isinstance(pending, _SatOut):
                 self._renew_relay()
-            settled = Settled(result, arrived, pending.waited, time.perf_counter())
+            settled = Settled(result, arrived, waited, time.perf_counter())
         if self.overlap is not None:
             share = self.share or 1.0 / self.peers  # before any commit: an equal share
             self.overlap.advance(work, arrived, share, self.peer.state.outer.step_response)
@@ -154,6 +198,7 @@ class Exchange:
                      f"state yet; not averaging below it")
             self.pending = _SatOut(AverageResult(ok=False, error=error))
             return
+        self._live = live  # for a restart under the next leader (settle)
         if peer.membership is not None:
             peer.averager.set_group_size(len(live))
         self._live_modes = [s.reachability for s in live]
@@ -168,18 +213,21 @@ class Exchange:
                 peer.error_feedback.add_to(buffers)  # what the wire lost of our last committed contribution
         weight = peer.tokens_since_commit if peer.cfg.diloco.weight_by_tokens else 1.0
         self.announced_speed = peer.pace.steps_per_s
-        electorate, alive, lead = 0, 0, True  # outside a swarm (tests): no quorum rule, hivemind's matchmaking
+        electorate, alive, lead, watch = 0, 0, True, None  # outside a swarm (tests): hivemind's matchmaking
         quorum = consensus.quorum_group(peer.state.quorum, peer.round, peer.cfg.run.rounds)
         if peer.membership is not None:
             me = peer.membership.status()
             live = consensus.with_my_group(me, live, self.last_group)  # entries our commit has not reached yet
             electorate = self.run_size.electorate(consensus.electorate(me, live))
             alive = consensus.alive_of(quorum, me, live)
-            lead = self.leaders.name(me, live, peer.state.quorum) == me.peer_id
+            leader = self.leaders.name(me, live, peer.state.quorum)
+            lead = leader == me.peer_id
+            if not lead and leader and peer.dht is not None:
+                watch = LeaderWatch(peer.dht, leader, peer.cfg.averaging.request_timeout)
         contribution = Contribution(name=peer.name, round=peer.round, digest=peer.state.digest,
                                     tokens=peer.tokens_since_commit, steps_per_s=self.announced_speed,
                                     electorate=electorate, live_quorum=alive)
-        self.pending = peer.averager.start_average(contribution, weight, lead=lead, quorum=quorum)
+        self.pending = peer.averager.start_average(contribution, weight, lead=lead, quorum=quorum, watch=watch)
 
     def _renew_relay(self) -> None:
         """After a failed attempt, a relayed peer renews its reservation at its relay (net/nat.py

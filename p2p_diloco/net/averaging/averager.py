@@ -47,7 +47,7 @@ from p2p_diloco.net.security.gate import MemberGate, contribution_proof
 from p2p_diloco.net.security.records import PeerSignatureValidator
 from p2p_diloco.net.averaging.screening import accused, member_weights, sane_contribution
 from p2p_diloco.net.averaging.reducer_checks import capped_fractions, sane_bandwidths
-from p2p_diloco.net.averaging.verify import PartVerifier
+from p2p_diloco.net.averaging.verify import MembersLostParts, PartVerifier
 from p2p_diloco.net.averaging.survive import Survivor
 from p2p_diloco.net.averaging.state_pipe import StatePipe, send_tensors, tensor_specs
 from p2p_diloco.errors import first_line
@@ -130,7 +130,10 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
             try:
                 return await self._attempt(group_info, gathered, min_vector_size, kwargs)
             except AllreduceException as e:  # a member died before the all-reduce completed anywhere: run it again
-                retry = None if snapshot is None or self._reduced or isinstance(e, NoQuorum) \
+                # with every average here, only if the checks failed on members that lost parts (verify.py): then
+                # nobody commits this attempt, and the survivors' retry needs our parts too
+                done_here = self._reduced and not isinstance(e, MembersLostParts)
+                retry = None if snapshot is None or done_here or isinstance(e, NoQuorum) \
                     else await self._survivors(group_info)
                 if retry is None:
                     raise

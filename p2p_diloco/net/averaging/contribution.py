@@ -42,6 +42,7 @@ class AverageResult:
     reducer_bytes: int = 0                    # the most bytes our reducer held at once to combine a part
     malformed: dict = field(default_factory=dict)  # peer id -> (name, why): members a reducer refused this round
     quorum: list[str] = field(default_factory=list)  # peer ids of the members that commit it (GlobalState.quorum)
+    abandoned: bool = False                   # we stopped looking for a group (its leader is dead): nothing was sent
 
 
 @dataclass

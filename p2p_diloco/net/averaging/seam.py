@@ -9,6 +9,7 @@ import logging
 import multiprocessing as mp
 import time
 from dataclasses import asdict, replace
+from concurrent.futures import InvalidStateError
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -22,6 +23,7 @@ from p2p_diloco.net.deadlines import DeadlineEstimator
 from p2p_diloco.net.averaging.wire import WireCodec, payload_bytes
 from p2p_diloco.net.averaging.contribution import AverageResult, Contribution
 from p2p_diloco.net.averaging.averager import CanonicalAverager
+from p2p_diloco.net.averaging.survive import ABANDONED
 from p2p_diloco.net.averaging.state_pipe import receive_tensors
 from p2p_diloco.net.failfast import GuardedPipe, HelperDied, close_host_side
 from p2p_diloco.ops.faults import AVERAGER_PHASES
@@ -121,14 +123,16 @@ class Averager:
         return self.start_average(contribution, weight).result()
 
     def start_average(self, contribution: Contribution, weight: float, lead: bool = True,
-                      quorum: Sequence[str] = ()) -> "PendingAverage":
+                      quorum: Sequence[str] = (), watch=None) -> "PendingAverage":
         """Start :meth:`average` in the averager's process and return at once (``diloco.overlap``). Until the
         pending average's ``result()`` is taken, the buffers belong to the averager: :meth:`pseudo_grads` refuses.
 
         ``lead``: this peer is the round's designated leader (net/consensus.py designated_leader) and gathers the
         group; otherwise it only joins the leader's group, so that one group forms per round, not several racing
         ones. Every peer leading (the default) is hivemind's own matchmaking. ``quorum``: the peer ids of the group
-        that committed our θ_global's round (GlobalState.quorum), which the group's quorum is counted over."""
+        that committed our θ_global's round (GlobalState.quorum), which the group's quorum is counted over.
+        ``watch``: called about once a second while we look for a group, returns why to stop looking (the leader we
+        wait for is dead) or None (:class:`PendingAverage`)."""
         self._update_deadlines()
         if lead != self._leading:
             self._leading = lead
@@ -138,7 +142,7 @@ class Averager:
             self._averager._outer_pipe.send(("_set_quorum", [], dict(quorum=self._quorum)))
         contribution = replace(contribution, suspects=[p for p, last in self.suspects.items()
                                                        if last > contribution.round])
-        pending = PendingAverage(self, contribution)
+        pending = PendingAverage(self, contribution, watch)
         if self.down_reason() is not None:
             pending.error = f"HelperDied: {self.down_reason()}"
             self._pending = pending
@@ -301,8 +305,10 @@ class Averager:
 class PendingAverage:
     """An all-reduce under way in the averager's process (:meth:`Averager.start_average`)."""
 
-    def __init__(self, averager: Averager, contribution: Contribution):
+    def __init__(self, averager: Averager, contribution: Contribution, watch=None):
         self.averager, self.contribution = averager, contribution
+        self.watch = watch  # () -> why to stop looking for a group, or None (Averager.start_average)
+        self.abandoned: Optional[str] = None  # why we stopped looking: the step ends cancelled, nothing was sent
         self.control = None  # hivemind's StepControl, once the step has started
         self.error: Optional[str] = None  # the step failed to start
         self.started = time.perf_counter()
@@ -339,10 +345,13 @@ class PendingAverage:
             out = self._result_until(until)
         except BaseException as e:
             if not self.control.done():
-                self.control.cancel()
+                with contextlib.suppress(InvalidStateError):  # it ended meanwhile
+                    self.control.cancel()
             if isinstance(e, KeyboardInterrupt):
                 raise
-            return AverageResult(ok=False, seconds=time.perf_counter() - self.started, error=_one_line(e))
+            abandoned = bool(self.abandoned) and ABANDONED in str(e)  # averaging/survive.py ended our matchmaking
+            return AverageResult(ok=False, seconds=time.perf_counter() - self.started, abandoned=abandoned,
+                                 error=f"{ABANDONED}: {self.abandoned}" if abandoned else _one_line(e))
         return self.averager._finish(out, time.perf_counter() - self.started, self.contribution.round + 1)
 
     def _result_until(self, until: float) -> dict:
@@ -356,6 +365,17 @@ class PendingAverage:
                     raise HelperDied(reason) from None
                 if time.perf_counter() >= until:
                     raise
+                self._look_out()
+
+    def _look_out(self) -> None:
+        """While we look for a group: if ``watch`` says why to stop, ask the averager's process to end our
+        matchmaking (it does only if no group holds us yet: averaging/survive.py ``_abandon_matchmaking``)."""
+        if self.watch is None or self.abandoned or self.control.stage != AveragingStage.LOOKING_FOR_GROUP:
+            return
+        why = self.watch()
+        if why:
+            self.abandoned = why
+            self.averager._averager._outer_pipe.send(("_abandon_matchmaking", [], dict(reason=why)))
 
 
 def _one_line(e: BaseException) -> str:

@@ -12,8 +12,13 @@ all-reduce of the kept members, with the quorum, weights, screening and reducer 
 contribution is in on every survivor or on none.
 
 A member that did complete the first attempt (it had every average before a reducer died) is alive and connected,
-so it is kept, and it takes part in no retry: the retry fails for lack of its parts, and the others repair from the
-round it committed. A stalled member (no FIN, no RST) stays connected: it is kept, and the round fails as before.
+so it is kept. If its reducer checks then fail only because members answer that their own all-reduce failed
+(verify.py ``MembersLostParts``), nobody commits the attempt (a member commits only when every member it reaches
+confirmed the same averages), so it joins the retry with its own contribution restored, like the others (a 12-peer
+swarm with a reducer killed mid-serving failed that round on all 11 survivors before). If its checks pass (it could
+not reach the members that lost parts, and a majority confirmed), it commits and takes part in no retry: the retry
+fails for lack of its parts, and the others repair from the round it committed. A stalled member (no FIN, no RST)
+stays connected: it is kept, and the round fails as before.
 """
 
 from __future__ import annotations
@@ -21,12 +26,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 from typing import Optional, Sequence
 
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
+
+logger = logging.getLogger(__name__)
 
 SETTLE_S = 1.0  # how long a survivor lets the network show a death (closed connections) before it looks
 GROUP_WAIT_S = 10.0  # how long a part waits for its retry group to be registered by this member
+ABANDONED = "matchmaking abandoned"  # an attempt whose matchmaking the host ended: nothing was sent (seam.py)
 
 
 def retry_group_id(first_id: bytes, kept: Sequence) -> bytes:
@@ -42,7 +52,7 @@ def kept_members(peer_ids: Sequence, me, connected: set) -> list[int]:
 
 class Survivor:
     """Mixin for the averager (net/averaging/averager.py). Expects ``self._p2p``, ``self.peer_id``,
-    ``self._running_groups`` and a ``self._survive`` flag (``averaging.survive_losses``)."""
+    ``self._running_groups``, ``self._matchmaking`` and a ``self._survive`` flag (``averaging.survive_losses``)."""
 
     _groups_changed: Optional[asyncio.Condition] = None
 
@@ -81,3 +91,18 @@ class Survivor:
         with contextlib.suppress(asyncio.TimeoutError):
             async with condition:
                 await asyncio.wait_for(condition.wait_for(lambda: group_id in self._running_groups), timeout)
+
+    async def _abandon_matchmaking(self, reason: str) -> None:
+        """The host found the leader we wait for dead (net/averaging/seam.py ``PendingAverage``): end our step's
+        matchmaking now, unless a group holds us already. In this process's event loop, so nothing changes between
+        the check and the cancel: a follower that has joined a leader, a leader with followers, or a group already
+        assembled go on as they are (the others count on our parts); otherwise no member's all-reduce can hold us."""
+        matchmaking = self._matchmaking
+        step = matchmaking.step_control
+        if step is None or step.done() or matchmaking.current_leader is not None or matchmaking.current_followers \
+                or matchmaking.assembled_group.done():
+            return
+        logger.debug(f"{ABANDONED}: {reason}")
+        # what hivemind's matchmaking waits for: it ends now with this error, as the step does (the step's own cancel
+        # would not do: hivemind refuses to cancel a step that is running, and the host could no longer cancel it)
+        matchmaking.assembled_group.set_exception(MatchmakingException(f"{ABANDONED}: {reason}"))

@@ -44,6 +44,13 @@ DIGEST_BYTES = 32
 UNREACHABLE = (P2PDaemonError, ConnectionError, asyncio.IncompleteReadError)
 KEEP_CLOSED = 8  # verifications of groups already over, kept to answer late calls with our digests
 CLOSED = "closed"  # a group of ours that is over without a verification (it failed before, or checks are off)
+ITS_ALLREDUCE_FAILED = "its all-reduce failed"  # how a member answers when it has no digests: its all-reduce failed
+
+
+class MembersLostParts(AllreduceException):
+    """The checks failed only because members answered that their own all-reduce failed (they lost a reducer's parts
+    to a death): nobody can commit this attempt, since every member that reaches them hears the same (averager.py
+    then joins the survivors' retry, survive.py)."""
 
 
 def part_digest(msg: runtime_pb2.Tensor, attestation: bytes = b"") -> bytes:
@@ -78,6 +85,7 @@ class Verification:
         self.own: asyncio.Future = asyncio.get_event_loop().create_future()  # our digests, or why we have none
         self.views: dict[int, list[bytes]] = {}
         self.failures: dict[int, str] = {}
+        self.lost: set[int] = set()  # members that answered that their all-reduce failed (no digests to compare)
         self.unreached: dict[int, str] = {}  # members we could not reach at all: left out of the comparison
         self.expected = set(range(len(peer_ids))) - {me}
         self.settled = asyncio.Event()
@@ -96,6 +104,16 @@ class Verification:
     def fail(self, index: int, reason: str) -> None:
         self.failures.setdefault(index, reason)
         self.check_settled()
+
+    def lost_parts(self, index: int, reason: str) -> None:
+        """The member answered that its own all-reduce failed: it has no averages to compare."""
+        if index not in self.failures:
+            self.lost.add(index)
+        self.fail(index, reason)
+
+    def only_lost_parts(self) -> bool:
+        """The round fails only because members' all-reduces failed: no equivocation, no other failure."""
+        return bool(self.failures) and set(self.failures) <= self.lost and not self._equivocations()
 
     def unreachable(self, index: int, reason: str) -> None:
         if index not in self.views and index not in self.failures:
@@ -154,7 +172,7 @@ class PartVerifier:
     def _close_verification(self, group_id, v: Optional[Verification], error: Optional[BaseException]) -> None:
         """The group's all-reduce is over: calls still waiting for our digests get an answer now."""
         if v is not None and not v.own.done():
-            v.own.set_exception(AllreduceException(f"its all-reduce failed: {error!r}"[:200]))
+            v.own.set_exception(AllreduceException(f"{ITS_ALLREDUCE_FAILED}: {error!r}"[:200]))
             v.own.exception()  # retrieved: no "never retrieved" warning when no call awaited it
         waiting = self._verifications.pop(group_id, None)
         if isinstance(waiting, asyncio.Future) and not waiting.done():
@@ -222,7 +240,8 @@ class PartVerifier:
             logger.warning(f"reducer check: left out member(s) we could not reach: "
                            f"{ {v.names[j]: why for j, why in v.unreached.items()} }")
         if verdict is not None:
-            raise AllreduceException(f"reducer check failed: {verdict}")
+            failed = MembersLostParts if v.only_lost_parts() else AllreduceException
+            raise failed(f"reducer check failed: {verdict}")
 
     async def _call_verify(self, group_id, v: Verification, j: int) -> None:
         stub = self.get_stub(self._p2p, v.peer_ids[j], namespace=self.prefix)
@@ -240,8 +259,16 @@ class PartVerifier:
         finally:
             if stream is not None:
                 await stream.aclose()
-        if answer.code == averaging_pb2.ACCEPTED:
-            v.record(j, list(answer.gathered))
-        else:
-            why = answer.suggested_leader.decode(errors="replace") or averaging_pb2.MessageCode.Name(answer.code)
-            v.fail(j, why)
+        hear_answer(v, j, answer)
+
+
+def hear_answer(v: Verification, j: int, answer: averaging_pb2.MessageFromLeader) -> None:
+    """Member ``j``'s answer to our call: its digests, or why it has none (its all-reduce failed: lost parts)."""
+    if answer.code == averaging_pb2.ACCEPTED:
+        v.record(j, list(answer.gathered))
+        return
+    why = answer.suggested_leader.decode(errors="replace") or averaging_pb2.MessageCode.Name(answer.code)
+    if answer.code == averaging_pb2.INTERNAL_ERROR and ITS_ALLREDUCE_FAILED in why:
+        v.lost_parts(j, why)
+    else:
+        v.fail(j, why)
