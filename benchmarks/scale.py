@@ -66,7 +66,7 @@ def one_run(peers: int, rounds: int, inner_steps: int, timeout: float, kill_seed
                       survivor_failures=sum(not r.get("committed") for r in records
                                             if r["peer"] not in killed | replacements),
                       replacement_failures=sum(not r.get("committed") for r in records if r["peer"] in replacements))
-    if rc == 0:
+    if rc == 0 and not result["failures"]:
         shutil.rmtree(run_dir)
     else:
         result["run_dir"] = str(run_dir)  # kept, to read why
@@ -134,6 +134,9 @@ def main() -> int:
         for i in range(args.runs):
             seed = None if args.kill_each_round is None else args.kill_each_round + i
             result = one_run(n, args.rounds, args.inner_steps, args.timeout, seed)
+            if result["exit_code"] == 130:  # the swarm was interrupted (Ctrl+C): so is the benchmark
+                print(f"scale.py: interrupted; runs so far: {len(results)}", file=sys.stderr)
+                return 130
             results.append(result)
             print(f"N={n} run {i + 1}: exit {result['exit_code']}, {result['rounds_committed']} rounds, forked "
                   f"{result['forked_rounds']}, {result['failed_attempts']} failed attempts, {result['wall_s']:.0f} s",

@@ -220,7 +220,7 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
               slowdowns: Optional[list[float]] = None, echo=print, report: bool = False,
               bootstrap_args: Sequence[str] = ()) -> int:
     """Run a whole swarm to completion; write ``run_dir/summary.json``; return 0 if every peer finished cleanly
-    (or was failed on purpose by ``chaos`` or ``plan``) and every round's θ_global hashes agree. ``slowdowns[i]``:
+    (or was failed on purpose by ``chaos`` or ``plan``) and every round's θ_global hashes agree, 130 if interrupted. ``slowdowns[i]``:
     ``fault.slowdown`` of peer i (a slower machine; peers past the list run at full speed). ``report``: then print a
     sample of the final θ_global and write the plots (:func:`report_run`), unless interrupted."""
     run_dir = Path(run_dir)
@@ -293,6 +293,8 @@ def run_swarm(num_peers: int, rounds: int, inner_steps: int, run_dir: str, peer_
         report_run(run_dir, swarm.peers, echo)
     if summary["forked_rounds"]:
         echo(f"swarm: θ_global FORKED in round(s) {summary['forked_rounds']}: two groups committed different bytes")
+    if interrupted:
+        return 130  # as a shell reports a command ended by Ctrl+C: not a finished run, whatever its rounds
     return 0 if not failed and all(hashes_agree(r) for r in summary["rounds"]) else 1
 
 
