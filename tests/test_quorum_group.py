@@ -147,6 +147,11 @@ def test_the_leader_is_one_of_the_last_committers_while_one_can_lead():
     assert designated_leader(me, live, quorum=["M2", "M5"]) == "M2"
     assert designated_leader(me, live, passed_over=["M2"], quorum=["M2", "M5"]) == "M5"
     assert designated_leader(me, live[:2], quorum=["Q9"]) == "A1"  # none of them live: any peer at the round
+    # we joined the round outside the list; its only peer we see at the round is a leader we passed over (dead):
+    # we lead, rather than name it again (a 16-peer swarm with kills: a survivor named a dead leader 4 times)
+    joiner, dead = PeerStatus("n", "N7", 3, "x"), PeerStatus("d", "D0", 3, "x")
+    assert designated_leader(joiner, [dead], quorum=["D0", "Q1"]) == "D0"
+    assert designated_leader(joiner, [dead], passed_over=["D0"], quorum=["D0", "Q1"]) == "N7"
 
 
 def test_the_runs_last_round_keeps_the_roster_rule():

@@ -197,13 +197,15 @@ def designated_leader(me: PeerStatus, live: Sequence[PeerStatus], passed_over: C
     first. A dead leader is replaced once its roster entry expires.
 
     ``quorum``: the peer ids that committed our round (GlobalState.quorum, the same on every peer of our θ_global):
-    while one of them can lead, the leader is one of them. Anyone can publish a roster entry at our round under a
-    key of its own; without this, a stranger's entries with small ids would each cost the run a window per round."""
+    while one of them can lead and is not passed over, the leader is one of them. Anyone can publish a roster entry
+    at our round under a key of its own; without this, a stranger's entries with small ids would each cost the run a
+    window per round. (Passed over before the list is preferred: a peer that joined the round by download, outside
+    the list, whose only listed peer at the round is a dead leader, used to name it again after passing it over.)"""
     ids = {s.peer_id for s in live if s.round == me.round and not s.leaving and s.donor}
     if me.donor:
         ids.add(me.peer_id)
-    ids = (ids & set(quorum)) or ids
-    return min(ids - set(passed_over) or ids) if ids else ""
+    ids = ids - set(passed_over) or ids  # passed over first: a peer whose only candidate of the list is dead leads
+    return min((ids & set(quorum)) or ids) if ids else ""
 
 
 @dataclass

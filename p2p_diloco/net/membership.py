@@ -55,6 +55,7 @@ class Membership:
         self._heartbeat: Optional[threading.Thread] = None
         self._last_reconnect = 0.0
         self._known: dict[str, tuple[PeerStatus, float]] = {}  # peer id -> (its newest entry read, expiration)
+        self._reads = (0, 0)  # roster reads since take_reads, and the entries they returned
         self._last_redial = time.monotonic()
         self._saw_others = False  # after an outage (not at start), reconnecting is worth a log line
         # a round the run reached past ours (0: none): we do not average until we hold it (:meth:`behind`,
@@ -96,7 +97,13 @@ class Membership:
                     f"no other peer in the roster: reached {answered} initial peer(s) again")
                 read = read_roster_expiring(self.dht, self.prefix, self.cfg.averaging.request_timeout)
         self._saw_others = self._saw_others or not alone
+        self._reads = (self._reads[0] + 1, self._reads[1] + len(read))
         return self._members(self._remember(read))
+
+    def take_reads(self) -> tuple[int, int]:
+        """Roster reads since the last call, and the entries they returned (the round's record: its cost)."""
+        reads, self._reads = self._reads, (0, 0)
+        return reads
 
     def _remember(self, read: list[tuple[PeerStatus, float]]) -> list[PeerStatus]:
         """This read merged with the entries earlier reads returned that have not expired yet, the newest entry of

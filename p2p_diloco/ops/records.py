@@ -21,6 +21,9 @@ def log_round(peer, result, committed: bool, train_loss: float, tokens: int, ste
               "outer/allreduce_only_s": result.allreduce_seconds, "outer/allreduce_timeout_s": deadline,
               "outer/bytes_sent": result.bytes_sent, "outer/bytes_received": result.bytes_received,
               "outer/reducer_bytes": getattr(result, "reducer_bytes", 0),
+              "outer/check_s": getattr(result, "check_s", 0.0),
+              "outer/check_messages": getattr(result, "check_messages", 0),
+              "outer/check_bytes": getattr(result, "check_bytes", 0), **_roster_reads(peer),
               "global_params_sha256": peer.state.params_digest, "state_sha256": peer.state.digest,
               "error": result.error, **timing, **peer.replica.round_stats(tokens, timing["time/inner_s"]),
               **(peer.rounds.background_split if steps else {})}
@@ -38,6 +41,15 @@ def log_round(peer, result, committed: bool, train_loss: float, tokens: int, ste
     else:
         peer.log.warning(f"round {peer.round + 1} not committed ({result.error}); θ_global kept, "
                          f"training continues from θ_local")
+
+
+def _roster_reads(peer) -> dict:
+    """The roster reads since the last record: how many, and the entries they returned (the cost grows with N)."""
+    membership = getattr(peer, "membership", None)
+    if membership is None or not hasattr(membership, "take_reads"):
+        return {}
+    reads, entries = membership.take_reads()
+    return {"net/roster_reads": reads, "net/roster_entries": entries}
 
 
 def report(peer, result, train_loss: float, steps: int, committed: bool) -> None:

@@ -193,7 +193,9 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
                 self._fault.strike()  # every average arrived; the members have not compared them yet
             if verification is not None and digests is not None:  # a failed round is never committed
                 await self._verify_parts(group_info, verification, digests)
-            return dict(summary, allreduce_seconds=time.monotonic() - started, **stats)
+            checks = {} if verification is None else dict(check_s=verification.seconds, check_bytes=verification.bytes,
+                                                          check_messages=verification.messages)
+            return dict(summary, allreduce_seconds=time.monotonic() - started, **stats, **checks)
         except BaseException as e:
             error = e
             raise

@@ -43,6 +43,9 @@ class AverageResult:
     malformed: dict = field(default_factory=dict)  # peer id -> (name, why): members a reducer refused this round
     quorum: list[str] = field(default_factory=list)  # peer ids of the members that commit it (GlobalState.quorum)
     abandoned: bool = False                   # we stopped looking for a group (its leader is dead): nothing was sent
+    check_s: float = 0.0                      # the reducer checks (verify.py): seconds, digest messages, their bytes
+    check_messages: int = 0
+    check_bytes: int = 0
 
 
 @dataclass

@@ -167,7 +167,9 @@ class Averager:
                                bytes_received=out.get("bytes_received", 0), seconds=seconds,
                                allreduce_seconds=out["allreduce_seconds"], group_round=out["group_round"],
                                speeds=out["speeds"], reducer_bytes=out.get("reducer_bytes", 0),
-                               malformed=out.get("malformed", {}), quorum=out.get("quorum", []))
+                               malformed=out.get("malformed", {}), quorum=out.get("quorum", []),
+                               check_s=out.get("check_s", 0.0), check_messages=out.get("check_messages", 0),
+                               check_bytes=out.get("check_bytes", 0))
         if "error" in out:
             result.error = out["error"]
             self._suspect(result.malformed, round_)

@@ -89,6 +89,12 @@ class Verification:
         self.unreached: dict[int, str] = {}  # members we could not reach at all: left out of the comparison
         self.expected = set(range(len(peer_ids))) - {me}
         self.settled = asyncio.Event()
+        self.messages, self.bytes = 0, 0  # digest messages sent and received, and their digests' bytes (the cost)
+        self.seconds = 0.0  # from our digests known to the verdict
+
+    def count(self, digests: Sequence[bytes]) -> None:
+        self.messages += 1
+        self.bytes += DIGEST_BYTES * len(digests)
 
     def record(self, index: int, digests: Sequence[bytes]) -> None:
         digests = list(digests)
@@ -195,12 +201,14 @@ class PartVerifier:
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_ID)
         if context.remote_id not in v.peer_ids or context.remote_id == self.peer_id:
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        v.count(request.gathered)
         v.record(v.peer_ids.index(context.remote_id), list(request.gathered))
         try:
             own = await asyncio.wait_for(asyncio.shield(v.own), timeout=self._verify_deadline())
         except Exception as e:
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.INTERNAL_ERROR, suggested_leader=repr(e)[:200]
                                                    .encode())
+        v.count(own)
         return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED, group_id=request.group_id, gathered=own)
 
     async def _verification_for(self, group_id) -> Optional[Verification]:
@@ -225,6 +233,7 @@ class PartVerifier:
     async def _verify_parts(self, group_info, v: Verification, own: list[bytes]) -> None:
         """Exchange digests with the members we pair with; raise AllreduceException naming the reducer(s) whose
         bytes differ, or the member(s) whose digests are missing, unless every one matches ours."""
+        begun = time.monotonic()
         v.own.set_result(own)
         v.check_settled()  # a group of one has nobody to hear from; others may all have called already
         calls = [asyncio.create_task(self._call_verify(group_info.group_id, v, j)) for j in sorted(v.expected)]
@@ -235,6 +244,7 @@ class PartVerifier:
         finally:
             for call in calls:
                 call.cancel()
+        v.seconds = time.monotonic() - begun
         verdict = v.verdict()
         if v.unreached:
             logger.warning(f"reducer check: left out member(s) we could not reach: "
@@ -249,7 +259,9 @@ class PartVerifier:
         try:
             request = averaging_pb2.MessageFromLeader(group_id=group_id, gathered=v.own.result())
             stream = await asyncio.wait_for(stub.rpc_verify_parts(request), timeout=self._verify_deadline())
+            v.count(request.gathered)
             answer = await asyncio.wait_for(anext(stream), timeout=self._verify_deadline())
+            v.count(answer.gathered)
         except (*UNREACHABLE, StopAsyncIteration) as e:  # StopAsyncIteration: the stream closed without an answer
             v.unreachable(j, repr(e)[:200])
             return
