@@ -361,3 +361,68 @@ def test_checks_that_fail_only_on_members_that_lost_parts_say_so_and_nothing_els
     for case in ("lost and equivocated", "lost and refused", "timed out"):
         assert out[case][0] == "AllreduceException", (case, out[case])
     assert out["agreed"] is None
+
+
+def test_calls_carry_one_hash_and_answers_carry_the_digests_only_where_averages_differ():
+    """The checks cost O(N) bytes per member: a call carries the hash of the caller's digests (32 bytes, whatever N),
+    the callee answers with the same hash when its own is equal, and with its digests per reducer only when they
+    differ, which still names the reducer that equivocated. A member whose hash differs and whose digests never
+    come fails the round; so does one whose call and answer disagree."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from hivemind.proto import averaging_pb2
+
+    from p2p_diloco.net.averaging.verify import PartVerifier, Verification, combine
+
+    names = ["p0", "p1", "p2", "p3"]
+    own = [bytes([i]) * 32 for i in range(4)]
+    skewed = [bytes([i]) * 32 for i in (0, 1, 9, 3)]  # reducer p2 sent p3 other bytes
+
+    async def run():
+        out = {}
+        v = Verification(names, names, 0)
+        v.own.set_result(own)
+        v.record(1, [combine(own)])  # p1's call: the hash alone, equal to ours
+        v.record(2, own)  # p2 answered with its digests (an older peer, or a mismatch it saw): the same averages
+        assert not v.settled.is_set()  # p3 not heard yet
+        v.record(3, [combine(skewed)])  # p3's call: another hash; its digests per reducer are still to come
+        out["hash only"] = (v.settled.is_set(), v.verdict())
+        v.record(3, skewed)  # our call's answer: its digests, which name the reducer
+        out["named"] = (v.settled.is_set(), v.verdict())
+        liar = Verification(names, names, 0)
+        liar.own.set_result(own)
+        liar.record(1, [combine(own)])
+        liar.record(1, skewed)  # its answer does not match its call
+        out["two stories"] = liar.verdict()
+        malformed = Verification(names, names, 0)
+        malformed.own.set_result(own)
+        malformed.record(1, own[:2])
+        out["malformed"] = malformed.verdict()
+
+        class Member(PartVerifier):  # the callee's side: what it answers to a call
+            _verify_until = time.monotonic() + 60
+            _running_groups: dict = {}
+            peer_id = "p0"
+
+            def __init__(self, v):
+                self._verifications = {b"g": v}
+
+        callee = Verification(names, names, 0)
+        callee.own.set_result(own)
+        member = Member(callee)
+        for case, sent in (("equal", [combine(own)]), ("differs", [combine(skewed)])):
+            request = averaging_pb2.MessageFromLeader(group_id=b"g", gathered=sent)
+            index = 1 if case == "equal" else 3
+            answer = await member._answer_verify(request, SimpleNamespace(remote_id=names[index]))
+            out[case] = list(answer.gathered)
+        return out
+
+    out = asyncio.run(run())
+    assert out["hash only"][0] is False and out["hash only"][1].startswith("member(s) ['p3'] hold other averages")
+    assert out["named"][0] and "reducer p2 sent different averaged bytes" in out["named"][1]
+    assert "p3 got 0909" in out["named"][1] and "p0, p1, p2 got 0202" in out["named"][1]
+    assert "member p1 could not verify: sent two different sets of digests" in out["two stories"]
+    assert "member p1 could not verify: sent 2 malformed digests" in out["malformed"]
+    assert out["equal"] == [combine(own)] and out["differs"] == own  # 32 bytes, or the digests to compare

@@ -3,10 +3,14 @@ averaged parts it received with every other member's; a reducer that sent differ
 fails the round on every member that sees it, and is named in the error.
 
 The exchange (after a member's all-reduce has ended well): every member calls every other member over a libp2p
-stream authenticated to the remote PeerID, so nobody can send digests in another member's name. The caller sends
-its digests (one sha256 per reducer, over the digests of that reducer's parts in order) and the callee answers with
-its own once its all-reduce has ended; the first digests of a member to arrive (its call or its answer) count, and
-a member whose call and answer differ fails the round. Each member thus hears from every member it can reach.
+stream authenticated to the remote PeerID, so nobody can send digests in another member's name. A member's digests
+are one sha256 per reducer, over the digests of that reducer's parts in order; the caller sends one hash of them
+(:func:`combine`), and the callee answers once its all-reduce has ended: with the same hash if its own is equal,
+else with its digests per reducer, which name the reducer that sent different bytes (the caller's own answer to
+the callee's call carries its digests likewise). So a member sends and receives 32 bytes per message whatever the
+group's size, about 4 (N − 1) messages per round, and N digests only towards members whose averages differ. The
+first digests of a member to arrive (its call or its answer) count, and a member whose call and answer differ fails
+the round. Each member thus hears from every member it can reach.
 
 A member does not commit unless every member it reaches answered with digests equal to its own: an answer that its
 all-reduce failed, a refusal, or other digests fail the round. A member it cannot reach at all (the connection
@@ -47,6 +51,13 @@ CLOSED = "closed"  # a group of ours that is over without a verification (it fai
 ITS_ALLREDUCE_FAILED = "its all-reduce failed"  # how a member answers when it has no digests: its all-reduce failed
 
 
+def combine(digests: Sequence[bytes]) -> bytes:
+    """One hash of a member's digests per reducer: what a call carries. Members that hold the same averages send
+    the same 32 bytes whatever the group's size (the checks cost O(N) bytes per member, not O(N²)); a callee whose
+    hash differs answers with its digests per reducer, so both sides can name the reducer that equivocated."""
+    return hashlib.sha256(b"".join(digests)).digest()
+
+
 class MembersLostParts(AllreduceException):
     """The checks failed only because members answered that their own all-reduce failed (they lost a reducer's parts
     to a death): nobody can commit this attempt, since every member that reaches them hears the same (averager.py
@@ -83,7 +94,8 @@ class Verification:
         self.peer_ids, self.names, self.me = list(peer_ids), list(names), me
         self.apart = set(apart) - {me}  # members that can never reach us nor we them (client mode, both)
         self.own: asyncio.Future = asyncio.get_event_loop().create_future()  # our digests, or why we have none
-        self.views: dict[int, list[bytes]] = {}
+        self.views: dict[int, list[bytes]] = {}  # members' digests per reducer, where they sent them
+        self.combined: dict[int, bytes] = {}  # members' hash of those digests (combine): all a call carries
         self.failures: dict[int, str] = {}
         self.lost: set[int] = set()  # members that answered that their all-reduce failed (no digests to compare)
         self.unreached: dict[int, str] = {}  # members we could not reach at all: left out of the comparison
@@ -97,13 +109,17 @@ class Verification:
         self.bytes += DIGEST_BYTES * len(digests)
 
     def record(self, index: int, digests: Sequence[bytes]) -> None:
+        """A member's digests: one per reducer (``full``), or their hash alone (what calls carry, :func:`combine`)."""
         digests = list(digests)
-        if len(digests) != len(self.peer_ids) or any(len(d) != DIGEST_BYTES for d in digests):
+        full = len(digests) == len(self.peer_ids) > 1
+        if not (full or len(digests) == 1) or any(len(d) != DIGEST_BYTES for d in digests):
             self.fail(index, f"sent {len(digests)} malformed digests")
-        elif index in self.views and self.views[index] != digests:
+        elif index in self.combined and self.combined[index] != (combine(digests) if full else digests[0]):
             self.fail(index, "sent two different sets of digests")
         else:
-            self.views.setdefault(index, digests)
+            self.combined.setdefault(index, combine(digests) if full else digests[0])
+            if full:
+                self.views.setdefault(index, digests)
             self.unreached.pop(index, None)  # it reached us after all
         self.check_settled()
 
@@ -122,19 +138,32 @@ class Verification:
         return bool(self.failures) and set(self.failures) <= self.lost and not self._equivocations()
 
     def unreachable(self, index: int, reason: str) -> None:
-        if index not in self.views and index not in self.failures:
+        if index not in self.combined and index not in self.failures:
             self.unreached[index] = reason
             self.check_settled()
 
     def check_settled(self) -> None:
-        """Settled: every member answered or is unreachable, or the round has failed already (no need to wait)."""
-        if self.failures or self.expected <= set(self.views) | set(self.unreached) or self._equivocations():
+        """Settled: every member answered or is unreachable (and every member whose averages differ from ours sent
+        its digests per reducer, which name the culprit), or the round has failed already (no need to wait)."""
+        heard = self.expected <= set(self.combined) | set(self.unreached) and not self._unexplained()
+        if self.failures or heard or self._equivocations():
             self.settled.set()
 
+    def _own_combined(self) -> Optional[bytes]:
+        return combine(self.own.result()) if self.own.done() and self.own.exception() is None else None
+
+    def _unexplained(self) -> list[int]:
+        """Members whose hash differs from ours and whose digests per reducer we do not have (yet)."""
+        own = self._own_combined()
+        return [j for j, c in self.combined.items() if own is not None and c != own and j not in self.views]
+
     def _equivocations(self) -> dict:
-        if not self.own.done() or self.own.exception() is not None:
+        own = self._own_combined()
+        if own is None:
             return {}
         views = {self.names[j]: [d.hex() for d in digests] for j, digests in self.views.items()}
+        views.update({self.names[j]: [d.hex() for d in self.own.result()] for j, c in self.combined.items()
+                      if c == own})  # the same hash: the same digests
         views[self.names[self.me]] = [d.hex() for d in self.own.result()]
         return equivocations(views, self.names)
 
@@ -145,11 +174,14 @@ class Verification:
             return describe_equivocations(found)
         if self.failures:
             return "; ".join(f"member {self.names[j]} could not verify: {why}" for j, why in self.failures.items())
-        missing = self.expected - set(self.views) - set(self.unreached)
+        missing = self.expected - set(self.combined) - set(self.unreached)
         if missing:
             return f"no part digests from member(s) {sorted(self.names[j] for j in missing)} in time"
+        if self._unexplained():
+            return (f"member(s) {sorted(self.names[j] for j in self._unexplained())} hold other averages than ours "
+                    f"(their digests per reducer did not come in time)")
         electorate = len(self.peer_ids) - len(self.apart)
-        confirmed = 1 + len(set(self.views) - self.apart)
+        confirmed = 1 + len(set(self.combined) - self.apart)
         if 2 * confirmed <= electorate:
             return (f"only {confirmed} of the group's {electorate} members, ourselves included, confirmed these "
                     f"averages: not a majority (could not reach {sorted(self.names[j] for j in self.unreached)})")
@@ -208,8 +240,10 @@ class PartVerifier:
         except Exception as e:
             return averaging_pb2.MessageFromLeader(code=averaging_pb2.INTERNAL_ERROR, suggested_leader=repr(e)[:200]
                                                    .encode())
-        v.count(own)
-        return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED, group_id=request.group_id, gathered=own)
+        # our hash alone when the caller's equals it; else our digests per reducer, which name whoever equivocated
+        answer = [combine(own)] if list(request.gathered) == [combine(own)] else own
+        v.count(answer)
+        return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED, group_id=request.group_id, gathered=answer)
 
     async def _verification_for(self, group_id) -> Optional[Verification]:
         found = self._verifications.get(group_id)
@@ -257,7 +291,7 @@ class PartVerifier:
         stub = self.get_stub(self._p2p, v.peer_ids[j], namespace=self.prefix)
         stream = None
         try:
-            request = averaging_pb2.MessageFromLeader(group_id=group_id, gathered=v.own.result())
+            request = averaging_pb2.MessageFromLeader(group_id=group_id, gathered=[combine(v.own.result())])
             stream = await asyncio.wait_for(stub.rpc_verify_parts(request), timeout=self._verify_deadline())
             v.count(request.gathered)
             answer = await asyncio.wait_for(anext(stream), timeout=self._verify_deadline())
