@@ -160,3 +160,16 @@ def test_the_runs_last_round_keeps_the_roster_rule():
     assert quorum_group(["A", "B"], 2, 4) == ["A", "B"]
     assert quorum_group(["A", "B"], 3, 4) == []  # round 4 is the last: every peer of round 3 counts the roster
     assert quorum_group(["A", "B"], 3, None) == ["A", "B"]  # a run without an end
+
+
+def test_the_group_waits_for_the_last_committers_a_roster_read_missed():
+    """16 peers on 2 cores: the leader's roster read missed two peers whose heartbeat was late, started the last
+    round's group as soon as the 14 it saw had joined, and the two, a second later, lost the round. The peers that
+    committed our round with us are waited for too, unless they announced a leave."""
+    from p2p_diloco.net.consensus import expected_group
+
+    me = PeerStatus("m", "M0", 3, "x")
+    live = [PeerStatus("a", "A1", 3, "x"), PeerStatus("b", "B2", 2, "y")]  # B2 behind: counted, as before
+    assert expected_group(me, live) == 3
+    assert expected_group(me, live, quorum=["M0", "A1", "C3", "D4"]) == 5  # C3, D4 committed round 3 with us
+    assert expected_group(me, live, quorum=["M0", "A1", "C3", "D4"], left=["D4"]) == 4  # D4 said it leaves

@@ -200,7 +200,8 @@ class Exchange:
             return
         self._live = live  # for a restart under the next leader (settle)
         if peer.membership is not None:
-            peer.averager.set_group_size(len(live))
+            peer.averager.set_group_size(consensus.expected_group(peer.membership.status(), live, peer.state.quorum,
+                                                                  peer.membership.left))
         self._live_modes = [s.reachability for s in live]
         self.peers = max(1, len(live)) if live else self.peers
         with peer.averager.pseudo_grads() as buffers:

@@ -56,6 +56,7 @@ class Membership:
         self._last_reconnect = 0.0
         self._known: dict[str, tuple[PeerStatus, float]] = {}  # peer id -> (its newest entry read, expiration)
         self._reads = (0, 0)  # roster reads since take_reads, and the entries they returned
+        self.left: set[str] = set()  # peer ids whose entries announced a leave, as of the last read
         self._last_redial = time.monotonic()
         self._saw_others = False  # after an outage (not at start), reconnecting is worth a log line
         # a round the run reached past ours (0: none): we do not average until we hold it (:meth:`behind`,
@@ -98,7 +99,9 @@ class Membership:
                 read = read_roster_expiring(self.dht, self.prefix, self.cfg.averaging.request_timeout)
         self._saw_others = self._saw_others or not alone
         self._reads = (self._reads[0] + 1, self._reads[1] + len(read))
-        return self._members(self._remember(read))
+        roster = self._members(self._remember(read))
+        self.left = {s.peer_id for s in roster if s.leaving}
+        return roster
 
     def take_reads(self) -> tuple[int, int]:
         """Roster reads since the last call, and the entries they returned (the round's record: its cost)."""
