@@ -13,7 +13,7 @@ import torch
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2p_diloco.config import Config
-from p2p_diloco.net.averaging.averager import _StateBudget
+from p2p_diloco.net.averaging.state_pipe import StateBudget
 from p2p_diloco.net.consensus import SyncTarget
 from p2p_diloco.net.membership import Membership
 from p2p_diloco.ops.metrics import MetricsSink
@@ -76,7 +76,7 @@ def _message(nbytes: int, first: bool, metadata: bytes = b"") -> averaging_pb2.D
 
 def test_a_download_is_cut_off_past_the_size_this_models_state_can_have():
     averaged = [torch.zeros(1000), torch.zeros(10, 10)]  # 1,100 values: a state of at most 4 x 4,400 bytes + 1 MiB
-    budget = _StateBudget(averaged)
+    budget = StateBudget(averaged)
     budget.take(_message(4000, True, metadata=b"x" * 100))
     for _ in range(3):
         budget.take(_message(4400, True))  # θ_global and outer state of honest size
@@ -84,10 +84,10 @@ def test_a_download_is_cut_off_past_the_size_this_models_state_can_have():
         for _ in range(10_000):  # a donor streaming forever is stopped within the bound, not at the timeout
             budget.take(_message(64 * 1024, False))
     with pytest.raises(ValueError, match="metadata is repeated"):
-        budget = _StateBudget(averaged)
+        budget = StateBudget(averaged)
         budget.take(_message(10, True, metadata=b"m"))
         budget.take(_message(10, False, metadata=b"m"))
     with pytest.raises(ValueError, match="larger than this model's state"):
-        budget = _StateBudget(averaged)
+        budget = StateBudget(averaged)
         for _ in range(20):  # more tensors than the state has, each tiny
             budget.take(_message(1, True))

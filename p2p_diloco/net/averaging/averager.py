@@ -49,7 +49,7 @@ from p2p_diloco.net.averaging.screening import accused, member_weights, sane_con
 from p2p_diloco.net.averaging.reducer_checks import capped_fractions, sane_bandwidths
 from p2p_diloco.net.averaging.verify import MembersLostParts, PartVerifier
 from p2p_diloco.net.averaging.survive import Survivor
-from p2p_diloco.net.averaging.state_pipe import StatePipe, send_tensors, tensor_specs
+from p2p_diloco.net.averaging.state_pipe import StateBudget, StatePipe, send_tensors, tensor_specs
 from p2p_diloco.errors import first_line
 from p2p_diloco.net.averaging.wire import WireCodec
 from p2p_diloco.ops.procs import become_child_process, end_hard
@@ -323,7 +323,7 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
         await self._prove_membership(stub)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, parts, tensors = None, [], []
-        budget = _StateBudget(self._averaged_tensors)
+        budget = StateBudget(self._averaged_tensors)
         async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout):
             if self._fault is not None and self._fault.phase == "download" and metadata is None:
                 self._fault.strike()  # tests: mid-transfer, on the joiner's side (test_stop.py)
@@ -378,30 +378,6 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
         # (key_manager.update_key_on_group_assembled): a group larger than that fails with "Sample larger than
         # population" in every member. We use no key bits (one key per run), so let it size the draw by the group.
         self._matchmaking.group_key_manager.target_group_size = None
-
-
-class _StateBudget:
-    """A state download's bound, from the model's shapes: θ_global and at most 3 outer-optimizer tensors per
-    parameter (fp32), with room for framing, and one metadata message of at most 1 MiB. A donor that streams more
-    is cut off as soon as it passes the bound, instead of filling the joiner's memory until the timeout (issue 24,
-    finding 8)."""
-
-    STATE_COPIES, SLACK_BYTES, METADATA_BYTES = 4, 1 << 20, 1 << 20
-
-    def __init__(self, averaged_tensors):
-        self.left = self.STATE_COPIES * sum(t.numel() * 4 for t in averaged_tensors) + self.SLACK_BYTES
-        self.tensors_left = self.STATE_COPIES * len(averaged_tensors) + 8
-        self.metadata_seen = False
-
-    def take(self, message) -> None:
-        if message.metadata:
-            if self.metadata_seen or len(message.metadata) > self.METADATA_BYTES:
-                raise ValueError("the donor's state metadata is repeated or too large")
-            self.metadata_seen = True
-        self.left -= len(message.tensor_part.buffer)
-        self.tensors_left -= 1 if message.tensor_part.dtype else 0
-        if self.left < 0 or self.tensors_left < 0:
-            raise ValueError("the donor's state is larger than this model's state can be: cut off")
 
 
 def _identity_of(dht):

@@ -151,3 +151,26 @@ def _receive_tensor(conn, spec, wait: Callable[[], None]) -> torch.Tensor:
         raise ValueError(f"the main process sent {size} bytes for a tensor of {tuple(shape)} {dtype}")
     return tensor
 
+
+class StateBudget:
+    """A state download's bound, from the model's shapes: θ_global and at most 3 outer-optimizer tensors per
+    parameter (fp32), with room for framing, and one metadata message of at most 1 MiB. A donor that streams more
+    is cut off as soon as it passes the bound, instead of filling the joiner's memory until the timeout (issue 24,
+    finding 8)."""
+
+    STATE_COPIES, SLACK_BYTES, METADATA_BYTES = 4, 1 << 20, 1 << 20
+
+    def __init__(self, averaged_tensors):
+        self.left = self.STATE_COPIES * sum(t.numel() * 4 for t in averaged_tensors) + self.SLACK_BYTES
+        self.tensors_left = self.STATE_COPIES * len(averaged_tensors) + 8
+        self.metadata_seen = False
+
+    def take(self, message) -> None:
+        if message.metadata:
+            if self.metadata_seen or len(message.metadata) > self.METADATA_BYTES:
+                raise ValueError("the donor's state metadata is repeated or too large")
+            self.metadata_seen = True
+        self.left -= len(message.tensor_part.buffer)
+        self.tensors_left -= 1 if message.tensor_part.dtype else 0
+        if self.left < 0 or self.tensors_left < 0:
+            raise ValueError("the donor's state is larger than this model's state can be: cut off")
