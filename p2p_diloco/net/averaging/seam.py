@@ -310,7 +310,7 @@ class PendingAverage:
     def __init__(self, averager: Averager, contribution: Contribution, watch=None):
         self.averager, self.contribution = averager, contribution
         self.watch = watch  # () -> why to stop looking for a group, or None (Averager.start_average)
-        self.abandoned: Optional[str] = None  # why we stopped looking: the step ends cancelled, nothing was sent
+        self.abandoned: Optional[str] = None  # why we asked to stop looking (the step then fails with it: nothing sent)
         self.control = None  # hivemind's StepControl, once the step has started
         self.error: Optional[str] = None  # the step failed to start
         self.started = time.perf_counter()
