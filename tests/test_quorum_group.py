@@ -173,3 +173,5 @@ def test_the_group_waits_for_the_last_committers_a_roster_read_missed():
     assert expected_group(me, live) == 3
     assert expected_group(me, live, quorum=["M0", "A1", "C3", "D4"]) == 5  # C3, D4 committed round 3 with us
     assert expected_group(me, live, quorum=["M0", "A1", "C3", "D4"], left=["D4"]) == 4  # D4 said it leaves
+    assert expected_group(me, live, floor=16) == 16  # round 1: the run's declared size, whatever one read showed
+    assert expected_group(me, live, quorum=["M0", "A1", "C3", "D4"], floor=2) == 5

@@ -200,8 +200,9 @@ class Exchange:
             return
         self._live = live  # for a restart under the next leader (settle)
         if peer.membership is not None:
+            floor = peer.cfg.run.expected_peers if peer.round == 0 else 0  # round 1: the run's declared size
             peer.averager.set_group_size(consensus.expected_group(peer.membership.status(), live, peer.state.quorum,
-                                                                  peer.membership.left))
+                                                                  peer.membership.left, floor))
         self._live_modes = [s.reachability for s in live]
         self.peers = max(1, len(live)) if live else self.peers
         with peer.averager.pseudo_grads() as buffers:
