@@ -175,3 +175,31 @@ def test_the_group_waits_for_the_last_committers_a_roster_read_missed():
     assert expected_group(me, live, quorum=["M0", "A1", "C3", "D4"], left=["D4"]) == 4  # D4 said it leaves
     assert expected_group(me, live, floor=16) == 16  # round 1: the run's declared size, whatever one read showed
     assert expected_group(me, live, quorum=["M0", "A1", "C3", "D4"], floor=2) == 5
+
+
+def test_the_leader_waits_only_for_missed_last_committers_that_answer_a_ping(monkeypatch):
+    """A member of the list that died (killed in its inner steps) would cost every round after it the leader's whole
+    window (16 peers with a kill each round: the median wait for a group went from 3 to 10 s); the leader pings the
+    listed peers its read missed and waits only for those that answer. Followers do not ping."""
+    from types import SimpleNamespace
+
+    from p2p_diloco.config import load_config
+    from p2p_diloco.net import dht as dht_module
+    from p2p_diloco.net.exchange import Exchange
+
+    asked = []
+
+    def answering(dht, peer_ids, timeout):
+        asked.append(list(peer_ids))
+        return {"C3"}  # D4 is dead
+
+    monkeypatch.setattr(dht_module, "answering", answering)
+    cfg = load_config(overrides={"run.expected_peers": 16})
+    state = SimpleNamespace(params=[], quorum=["M0", "A1", "C3", "D4", "E5"], round=3)
+    peer = SimpleNamespace(cfg=cfg, state=state, round=3, dht=object(), membership=SimpleNamespace(left={"E5"}))
+    exchange = Exchange(peer, "none")
+    me, live = PeerStatus("m", "M0", 3, "x"), [PeerStatus("a", "A1", 3, "x")]
+    assert exchange._group_size(me, live, lead=True) == 3 and asked == [["C3", "D4"]]  # M0, A1, and C3
+    assert exchange._group_size(me, live, lead=False) == 2 and len(asked) == 1
+    peer.round = 0  # round 1: the run's declared size
+    assert exchange._group_size(me, live, lead=False) == 16

@@ -195,7 +195,8 @@ def expected_group(me: PeerStatus, live: Sequence[PeerStatus], quorum: Collectio
     quorum) that the roster read missed, unless they announced a leave (``left``). Under load a read misses entries
     whose heartbeat was late; the leader then started the group as soon as the peers it saw had joined, and the
     missed ones, arriving a second later, failed the round (the last of a run, 3 of 5 times with 16 peers on 2
-    cores). A listed peer that died costs at most the leader's window, as a dead peer's unexpired entry does.
+    cores). The leader passes only the listed peers that still answer a ping (net/exchange.py): a dead one would
+    cost every round after its death the whole window.
     ``floor``: round 1 has no such list (θ_0 was committed by nobody), but every peer waited for the run's
     ``run.expected_peers`` before it (a read missed 5 of 16 once: round 1 went to 11, the 5 others repaired)."""
     return max(floor, len({s.peer_id for s in live} | {me.peer_id} | (set(quorum) - set(left))))

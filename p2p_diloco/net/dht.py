@@ -318,6 +318,29 @@ def answers(dht: hivemind.DHT, peer_id: str, timeout: float) -> Optional[bool]:
         return None
 
 
+def answering(dht: hivemind.DHT, peer_ids: Sequence[str], timeout: float) -> set[str]:
+    """Which of ``peer_ids`` answer a ping within ``timeout``, asked at once; all of them when our own DHT could
+    not ask (nobody is taken for dead for our own failure)."""
+    if not peer_ids:
+        return set()
+    try:
+        answered = dht.run_coroutine(_PingAll(list(peer_ids), timeout), return_future=True).result(timeout=timeout + 5)
+    except Exception as e:  # noqa: BLE001 - our DHT's process died or is stuck: the supervisor's business
+        logger.debug(f"could not ping {len(peer_ids)} peer(s): {e!r}")
+        return set(peer_ids)
+    return {p for p, ok in zip(peer_ids, answered) if ok}
+
+
+class _PingAll:
+    """Runs in the DHT's process (picklable, unlike a closure)."""
+
+    def __init__(self, peer_ids: list[str], timeout: float):
+        self.peer_ids, self.timeout = peer_ids, timeout
+
+    async def __call__(self, dht, node) -> list[bool]:
+        return list(await asyncio.gather(*(_Ping(p, self.timeout)(dht, node) for p in self.peer_ids)))
+
+
 class _Ping:
     """Runs in the DHT's process (picklable, unlike a closure)."""
 

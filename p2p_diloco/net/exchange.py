@@ -199,10 +199,6 @@ class Exchange:
             self.pending = _SatOut(AverageResult(ok=False, error=error))
             return
         self._live = live  # for a restart under the next leader (settle)
-        if peer.membership is not None:
-            floor = peer.cfg.run.expected_peers if peer.round == 0 else 0  # round 1: the run's declared size
-            peer.averager.set_group_size(consensus.expected_group(peer.membership.status(), live, peer.state.quorum,
-                                                                  peer.membership.left, floor))
         self._live_modes = [s.reachability for s in live]
         self.peers = max(1, len(live)) if live else self.peers
         with peer.averager.pseudo_grads() as buffers:
@@ -226,10 +222,26 @@ class Exchange:
             lead = leader == me.peer_id
             if not lead and leader and peer.dht is not None:
                 watch = LeaderWatch(peer.dht, leader, peer.cfg.averaging.request_timeout)
+            peer.averager.set_group_size(self._group_size(me, live, lead))
         contribution = Contribution(name=peer.name, round=peer.round, digest=peer.state.digest,
                                     tokens=peer.tokens_since_commit, steps_per_s=self.announced_speed,
                                     electorate=electorate, live_quorum=alive)
         self.pending = peer.averager.start_average(contribution, weight, lead=lead, quorum=quorum, watch=watch)
+
+    def _group_size(self, me, live: list, lead: bool) -> int:
+        """How many peers our group waits for (consensus.expected_group): the live roster, and the peers that
+        committed our round that the read missed and that still answer a ping (asked only by the leader, whose
+        group it is: a dead member of the list would cost the round the leader's whole window)."""
+        peer = self.peer
+        floor = peer.cfg.run.expected_peers if peer.round == 0 else 0  # round 1: the run's declared size
+        listed = set(peer.state.quorum) - {s.peer_id for s in live} - set(peer.membership.left) - {me.peer_id}
+        if listed and lead and peer.dht is not None:
+            from p2p_diloco.net.dht import answering
+
+            listed = answering(peer.dht, sorted(listed), min(2.0, peer.cfg.averaging.request_timeout))
+        elif not lead:
+            listed = set()
+        return consensus.expected_group(me, live, listed, floor=floor)
 
     def _renew_relay(self) -> None:
         """After a failed attempt, a relayed peer renews its reservation at its relay (net/nat.py
