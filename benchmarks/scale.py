@@ -56,7 +56,7 @@ def one_run(peers: int, rounds: int, inner_steps: int, timeout: float, kill_seed
     per_round = []
     for s in summary["rounds"]:
         mine = [r for r in committed if r["round"] == s["round"]]
-        waits = [max(0.0, r["time/wait_s"] - r["outer/allreduce_s"]) for r in mine if "time/wait_s" in r]
+        waits = [max(0.0, r["time/wait_s"] - r["outer/allreduce_only_s"]) for r in mine if "time/wait_s" in r]
         per_round.append({"round": s["round"], "committed_by": s["committed_by"], "digests": len(s["digests"]),
                           "group_size": s["group_size"], "allreduce_s": s["allreduce_s"],
                           "matchmaking_s": statistics.median(waits) if waits else None})
