@@ -48,7 +48,7 @@ class FakeAverager:
             self.buffers[0].view(-1)[0] = float("nan")
         return AverageResult(ok=True, group_size=1, peers=[contribution.name], tokens=contribution.tokens)
 
-    def start_average(self, contribution, weight, lead=True, quorum=()):
+    def start_average(self, contribution, weight, lead=True, quorum=(), watch=None):
         return Ready(contribution, self.average(contribution, weight))
 
     def observe_round(self, seconds):
@@ -328,7 +328,7 @@ class TakenAt(FakeAverager):
         super().__init__(outcomes)
         self.taken_at = []
 
-    def start_average(self, contribution, weight, lead=True, quorum=()):
+    def start_average(self, contribution, weight, lead=True, quorum=(), watch=None):
         ready, taken = super().start_average(contribution, weight), self.taken_at
         ready.result = lambda: taken.append(self.peer.inner.step_count) or ready._result
         return ready
@@ -393,7 +393,7 @@ class Running(Ready):
 
 
 class RunsTwoSteps(FakeAverager):
-    def start_average(self, contribution, weight, lead=True, quorum=()):
+    def start_average(self, contribution, weight, lead=True, quorum=(), watch=None):
         return Running(contribution, self.average(contribution, weight), checks=2)
 
 
@@ -417,7 +417,7 @@ def test_overlap_times_the_inner_steps_with_and_without_a_background_allreduce(t
 class StopAtSecond(FakeAverager):
     """Asks the peer to stop once its second all-reduce is under way (a SIGTERM arriving then)."""
 
-    def start_average(self, contribution, weight, lead=True, quorum=()):
+    def start_average(self, contribution, weight, lead=True, quorum=(), watch=None):
         if len(self.calls) == 1:
             self.peer.stop_event.set()
         return super().start_average(contribution, weight)
