@@ -108,6 +108,9 @@ COSTS = {  # per member per committed round: the cost, and how it is read from t
     "roster reads": lambda r: r.get("net/roster_reads"),
     "roster entries per read": lambda r: r["net/roster_entries"] / r["net/roster_reads"]
     if r.get("net/roster_reads") else None,
+    "roster read s": lambda r: r.get("net/roster_read_s"),
+    "certificate store s": lambda r: r.get("net/certificate_store_s"),
+    "certificate bytes": lambda r: r.get("net/certificate_bytes"),
     "matchmaking s": lambda r: max(0.0, r["time/wait_s"] - r["outer/allreduce_only_s"]) if "time/wait_s" in r else None,
     "all-reduce MB": lambda r: (r["outer/bytes_sent"] + r["outer/bytes_received"]) / 1e6,
     "all-reduce s": lambda r: r["outer/allreduce_only_s"],

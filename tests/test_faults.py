@@ -89,6 +89,9 @@ def test_kill_in_inner_steps_then_late_join_then_graceful_leave(tmp_path, proces
     assert [e["peer"] for e in _events(summary, "kill")] == ["peer1"]
     joins = _events(summary, "state_join")
     assert [e["peer"] for e in joins] == ["join0"], "the joiner must download θ_global and momentum from a peer"
+    joined = [r for r in read_jsonl(tmp_path / "join0" / "metrics.jsonl") if r.get("event") == "join"]
+    # ... and took it only with its commit certificate: most of the group that committed it signed it in the DHT
+    assert joined and all(2 * r["certificate_signed"] > r["certificate_group"] > 0 for r in joined), joined
     assert _committed(tmp_path, "join0")[-1] == 7  # it took part until the end
     leaver = _committed(tmp_path, "peer2")
     assert leaver and leaver[-1] < 7  # it left early ...

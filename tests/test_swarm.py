@@ -48,6 +48,8 @@ def test_three_peers_agree_after_every_round_learn_and_leave_nothing(tmp_path, p
         assert 1 <= r["outer/check_messages"] <= 8, r
         assert r["outer/check_bytes"] == 32 * r["outer/check_messages"], r
         assert r["net/roster_reads"] >= 1 and r["net/roster_entries"] <= 3 * r["net/roster_reads"], r
+        # a commit stores our signed commit record (round, digest) before the roster shows the round: one small value
+        assert 0 < r["net/certificate_bytes"] < 1000 and r["net/certificate_store_s"] > 0, r
     assert "one θ_global on 3 of 3 peers" in out.stdout and "FORK" not in out.stdout  # the per-round table
     # process_tag's teardown asserts that no peer, DHT, averager or p2pd process is left; and peers that stopped
     # normally leave no file either: no p2pd client socket in /tmp, no multiprocessing folder in TMPDIR

@@ -300,7 +300,7 @@ class Exchange:
             peer.tokens_since_commit -= tokens
             peer.work_round = peer.round - 1
         if peer.membership is not None:
-            peer.membership.state_changed()
+            peer.membership.committed()
         return True
 
     # ------------------------------------------------------------------------------------------------ catching up

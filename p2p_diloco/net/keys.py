@@ -8,6 +8,10 @@ Keys under the run's prefix ``{safe_run_id}_{fingerprint}``, so runs and model s
   * ``{prefix}.finished``        peers that left after training all of ``run.rounds``: subkey peer id, value
                                  ``{"name": str, "round": int}``, kept an hour so that a peer finishing later (its
                                  roster alone, the leavers' entries expired) learns that the run is over
+  * ``{prefix}.commits``         the rounds each peer committed as a member of the group: subkey peer id, value
+                                 ``{"peer_id": str, "commits": [[round, digest], ...]}`` (its last 8), signed in its
+                                 name and kept an hour, so that a member's signature outlives it: the commit
+                                 certificates joiners and repairs check (net/certificate.py)
 
 Run-level keys (``{safe_run_id}``: the run_id with characters other than letters, digits, ``_`` and ``-`` as ``_``):
   * ``{safe_run_id}.runs``       index of the run's prefixes: subkey = peer id, value = {"prefix": ...,
@@ -156,3 +160,34 @@ def publish_finished(dht: hivemind.DHT, prefix: str, peer_id: str, name: str, ro
 def read_finished(dht: hivemind.DHT, prefix: str, timeout: float) -> list[tuple[str, int]]:
     """(name, round) of every peer that left after training the whole run; [] if none or no answer."""
     return valid_entries("finished", _read_subkeys(dht, finished_key(prefix), timeout, "finished peers"), _value)
+
+
+# ---------------------------------------------------------------------------------------------- commit records
+# {prefix}.commits: one subkey per peer id, value = {"peer_id": str, "commits": [[round, digest], ...]}.
+
+COMMITS_TTL = 3600.0  # s a commit record lasts after its last refresh: a member's signature outlives the member
+
+
+def commits_key(prefix: str) -> str:
+    return f"{prefix}.commits"
+
+
+def publish_commits(dht: hivemind.DHT, prefix: str, peer_id: str, commits: list, ttl: float = COMMITS_TTL):
+    """Store the (round, digest) pairs this peer committed; returns the store's future (None if nothing to store)."""
+    if not commits:
+        return None
+    value = {"peer_id": peer_id, "commits": [list(c) for c in commits]}
+    return dht.store(commits_key(prefix), subkey=peer_id, value=value, expiration_time=get_dht_time() + ttl,
+                     return_future=True)
+
+
+def commits_bytes(commits: list) -> int:
+    """Bytes of the value :func:`publish_commits` stores for ``commits`` (before the signature's seal)."""
+    from hivemind.utils import MSGPackSerializer
+
+    return len(MSGPackSerializer.dumps({"peer_id": "x" * 52, "commits": [list(c) for c in commits]}))
+
+
+def read_commits(dht: hivemind.DHT, prefix: str, timeout: float) -> dict[str, list[tuple[int, str]]]:
+    """Every valid commit record of the run: peer id → its (round, digest) pairs; {} if the DHT does not answer."""
+    return dict(valid_entries("commits", _read_subkeys(dht, commits_key(prefix), timeout, "commit records"), _value))

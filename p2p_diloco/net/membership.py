@@ -26,11 +26,12 @@ import torch
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.config import Config, ConfigError, shared_settings
+from p2p_diloco.net.certificate import Verdict, certify, remember
 from p2p_diloco.net.consensus import (PeerStatus, SyncTarget, credible_rounds, finished_without, majority_state,
                                       remembered, sync_target)
 from p2p_diloco.net.dht import reconnect, redial
-from p2p_diloco.net.keys import (publish_finished, publish_run_index, publish_run_settings, publish_status,
-                                 read_finished, read_roster_expiring)
+from p2p_diloco.net.keys import (commits_bytes, publish_commits, publish_finished, publish_run_index, publish_run_settings,
+                                 publish_status, read_commits, read_finished, read_roster_expiring)
 from p2p_diloco.net.security import schema
 from p2p_diloco.ops.metrics import MetricsSink
 from p2p_diloco.train.global_state import GlobalState
@@ -38,6 +39,7 @@ from p2p_diloco.train.global_state import parse_quorum
 from p2p_diloco.train.outer import state_digests
 
 logger = logging.getLogger("p2p_diloco")
+COMMITS_REFRESH = 600.0  # s between stores of an unchanged commit record (it lasts an hour: net/keys.py)
 FINISHED_TTL = 3600.0  # s a "finished the run" entry lasts: a peer that comes late still learns the run is over
 
 
@@ -55,7 +57,10 @@ class Membership:
         self._heartbeat: Optional[threading.Thread] = None
         self._last_reconnect = 0.0
         self._known: dict[str, tuple[PeerStatus, float]] = {}  # peer id -> (its newest entry read, expiration)
-        self._reads = (0, 0)  # roster reads since take_reads, and the entries they returned
+        # the round's costs since take_costs: roster reads, the entries they returned, their seconds (DHT and
+        # validation), and storing our commit record after a commit (seconds, bytes of the value)
+        self._costs = dict.fromkeys(("roster_reads", "roster_entries", "roster_read_s", "certificate_store_s",
+                                     "certificate_bytes"), 0)
         self.left: set[str] = set()  # peer ids whose entries announced a leave, as of the last read
         self._last_redial = time.monotonic()
         self._saw_others = False  # after an outage (not at start), reconnecting is worth a log line
@@ -68,6 +73,13 @@ class Membership:
         self.work = {"tokens_per_s": 0.0, "tokens_trained": 0, "last_allreduce_s": 0.0, "last_bytes": 0,
                      "steps_per_s": 0.0}
         self.settings = shared_settings(cfg)
+        # the (round, digest) pairs we committed as a member of the group, signed in our name (net/certificate.py);
+        # a peer resuming a round it committed signs it again (its record may have expired)
+        self.commits: list[tuple[int, str]] = []
+        if state.round > 0 and self.peer_id in state.quorum:
+            self.commits = remember([], state.round, state.digest)
+        self._commits_stored = 0.0  # monotonic time of the last confirmed store of our commit record (0: none)
+        self.certificate_read_s = 0.0  # the last certificate check's DHT read (and validation), seconds
 
     @property
     def peer_id(self) -> str:
@@ -79,16 +91,49 @@ class Membership:
                           leaving=leaving, donor=self.reachability != "client", reachability=self.reachability,
                           **self.work)
 
-    def publish(self, leaving: bool = False) -> None:
+    def publish(self, leaving: bool = False, commits_first: bool = False) -> None:
+        """Our roster entry and run settings; our commit record too when it changed or is 10 minutes old.
+        ``commits_first``: wait for the commit record's store before the roster entry's (after a commit: whoever
+        sees the new round in the roster finds its certificate)."""
         ttl, timeout = self.cfg.averaging.roster_ttl, self.cfg.averaging.request_timeout
+        if not leaving and (commits_first or time.monotonic() - self._commits_stored > COMMITS_REFRESH):
+            self._store_commits(timeout if commits_first else None)
         publish_status(self.dht, self.prefix, self.status(leaving), ttl=ttl, timeout=timeout)
         if not leaving:
             publish_run_settings(self.dht, self.cfg.run.run_id, self.peer_id, self.settings, self.fingerprint, ttl=ttl)
+
+    def _store_commits(self, timeout: Optional[float]) -> None:
+        begun = time.perf_counter()
+        future = publish_commits(self.dht, self.prefix, self.peer_id, self.commits)
+        if future is None:
+            return
+        if timeout is None:  # the heartbeat: it must stay on time; the next one checks again
+            future.add_done_callback(self._commits_done)
+            return
+        try:
+            self._commits_done(future, future.result(timeout=timeout))
+        except Exception as e:  # the heartbeat stores it again
+            self.log.debug(f"storing our commit record failed: {e!r}")
+        self._count(certificate_store_s=time.perf_counter() - begun, certificate_bytes=commits_bytes(self.commits))
+
+    def _commits_done(self, future, result=None) -> None:
+        try:
+            if result if result is not None else future.result():
+                self._commits_stored = time.monotonic()
+        except Exception as e:
+            self.log.debug(f"storing our commit record failed: {e!r}")
+
+    def committed(self) -> None:
+        """We committed the round our state now holds as a member of its group: sign it, then announce it."""
+        self.commits = remember(self.commits, self.state.round, self.state.digest)
+        self._commits_stored = 0.0
+        self.state_changed(commits_first=True)
 
     def roster(self) -> list[PeerStatus]:
         """Every unexpired roster entry, leavers included. Seeing nobody else, first dial the initial peers again
         (at most every roster_ttl): after a network outage this node's DHT may have dropped all its neighbours."""
         self._push_access()
+        begun = time.perf_counter()
         read = read_roster_expiring(self.dht, self.prefix, self.cfg.averaging.request_timeout)
         alone = not any(s.peer_id != self.peer_id for s, _ in read)
         if alone and self.cfg.network.initial_peers and self._may_reconnect():
@@ -98,15 +143,20 @@ class Membership:
                     f"no other peer in the roster: reached {answered} initial peer(s) again")
                 read = read_roster_expiring(self.dht, self.prefix, self.cfg.averaging.request_timeout)
         self._saw_others = self._saw_others or not alone
-        self._reads = (self._reads[0] + 1, self._reads[1] + len(read))
+        self._count(roster_reads=1, roster_entries=len(read), roster_read_s=time.perf_counter() - begun)
         roster = self._members(self._remember(read))
         self.left = {s.peer_id for s in roster if s.leaving}
         return roster
 
-    def take_reads(self) -> tuple[int, int]:
-        """Roster reads since the last call, and the entries they returned (the round's record: its cost)."""
-        reads, self._reads = self._reads, (0, 0)
-        return reads
+    def _count(self, **costs) -> None:
+        for name, value in costs.items():
+            self._costs[name] += value
+
+    def take_costs(self) -> dict:
+        """The round's costs since the last call (the round's record, ``net/...``): roster reads, the entries they
+        returned and their seconds; the store of our commit record (seconds on the round's path, value bytes)."""
+        costs, self._costs = self._costs, dict.fromkeys(self._costs, 0)
+        return costs
 
     def _remember(self, read: list[tuple[PeerStatus, float]]) -> list[PeerStatus]:
         """This read merged with the entries earlier reads returned that have not expired yet, the newest entry of
@@ -171,9 +221,9 @@ class Membership:
                 self._last_redial = time.monotonic()
                 redial(self.dht, self.cfg.network.initial_peers, self.cfg.averaging.request_timeout)
 
-    def state_changed(self) -> None:
+    def state_changed(self, commits_first: bool = False) -> None:
         """Our θ_global moved (commit or download): tell the roster, and serve the new state."""
-        self.publish()
+        self.publish(commits_first=commits_first)
         self.averager.serve_state(self.donate_state, self.state.round)
 
     def stop(self) -> None:
@@ -292,6 +342,8 @@ class Membership:
             return False
         metadata, tensors, donor = got
         problem = self._check_state(metadata, tensors, target)
+        verdict = None if problem else self._certificate(metadata)
+        problem = problem or (verdict.why if not verdict.ok else None)
         if problem:
             self.log.warning(f"{kind}: state from {donor} rejected: {problem}")
             return False
@@ -301,9 +353,11 @@ class Membership:
         size = sum(t.numel() * t.element_size() for t in tensors)
         self.metrics.log({"event": kind, "peer": self.name, "round": self.state.round, "donor": metadata.get("name"),
                           "state_bytes": size, "seconds": seconds, "global_params_sha256": self.state.params_digest,
-                          "state_sha256": self.state.digest})
+                          "state_sha256": self.state.digest, "certificate_signed": verdict.signed,
+                          "certificate_group": verdict.group, "certificate_chained": verdict.chained,
+                          "certificate_read_s": self.certificate_read_s})
         self.log.info(f"{kind}: got round {self.state.round} from {metadata.get('name')} ({size / 1e6:.1f} MB in "
-                      f"{seconds:.2f} s); digest verified")
+                      f"{seconds:.2f} s); digest verified, {verdict.describe()}")
         return True
 
     def _check_state(self, metadata, tensors, target: SyncTarget) -> Optional[str]:
@@ -329,6 +383,18 @@ class Membership:
                                                         and digest != target.digest):
             return f"round {metadata.get('round')} is not the run's round {target.round}"
         return None
+
+    def _certificate(self, metadata: dict) -> Verdict:
+        """The commit certificate of a downloaded state (net/certificate.py), checked against the commit records
+        in the DHT and, one round ahead of ours, against the group that committed our round."""
+        begun = time.perf_counter()
+        records = read_commits(self.dht, self.prefix, self.cfg.averaging.request_timeout)
+        self.certificate_read_s = time.perf_counter() - begun
+        now = get_dht_time()
+        alive = {pid for pid, (s, expires) in self._known.items() if expires > now and not s.leaving}
+        prior = (self.state.round, list(self.state.quorum), alive | {self.peer_id})
+        return certify(metadata["round"], metadata["digest"], parse_quorum(metadata.get("quorum")) or [], records,
+                       prior, self.cfg.run.rounds)
 
     def donate_state(self) -> tuple[dict, list]:
         """Called on hivemind's state thread when a peer downloads from us: a consistent snapshot."""

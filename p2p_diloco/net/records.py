@@ -1,6 +1,7 @@
 """The one seam where DHT records become Python values: every record this project reads from the DHT (the roster,
-finished peers, the run index, the run settings, revocations) is checked here, and so is every record another node
-asks our DHT node to store under one of the run's keys (:class:`p2p_diloco.net.security.schema.RunRecordValidator`).
+finished peers, the run index, the run settings, revocations, commit records) is checked here, and so is every
+record another node asks our DHT node to store under one of the run's keys
+(:class:`p2p_diloco.net.security.schema.RunRecordValidator`).
 
 A record is valid only if
   * its subkey is a base58 PeerID (so that net/security/records.py's signature check applies to it: the record was
@@ -22,6 +23,7 @@ import re
 from dataclasses import fields
 from typing import Any, Callable, Iterable, Mapping, Optional
 
+from p2p_diloco.net.certificate import KEPT as KEPT_COMMITS
 from p2p_diloco.net.consensus import PeerStatus
 
 logger = logging.getLogger(__name__)
@@ -205,9 +207,27 @@ def revocation_entry(subkey: Any, value: Any) -> tuple[str, dict]:
     return peer, {"at": v["at"], "mac": v["mac"]}
 
 
+def commits_entry(subkey: Any, value: Any) -> tuple[str, list[tuple[int, str]]]:
+    """(peer, [(round, digest), ...]) from a commit record: the rounds its author committed as a member of the
+    group, at most :data:`~p2p_diloco.net.certificate.KEPT` (net/certificate.py)."""
+    peer = author(subkey)
+    v = _mapping(value)
+    if v.get("peer_id") != peer:
+        raise RecordError("peer_id differs from the subkey")
+    commits = v.get("commits")
+    if not isinstance(commits, list) or len(commits) > KEPT_COMMITS:
+        raise RecordError(f"commits is not a list of at most {KEPT_COMMITS}")
+    out = []
+    for item in commits:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise RecordError("a commit is not a (round, digest) pair")
+        out.append((integer(item[0], "a commit's round", 1, MAX_ROUND), text(item[1], "a commit's digest", 128, _HEX)))
+    return peer, out
+
+
 KINDS: dict[str, Callable[[Any, Any], Any]] = {
     "roster": roster_entry, "finished": finished_entry, "runs": run_index_entry, "config": settings_entry,
-    "revoked": revocation_entry}
+    "revoked": revocation_entry, "commits": commits_entry}
 
 
 def check(kind: str, subkey: Any, value: Any) -> Any:

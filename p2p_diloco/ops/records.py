@@ -23,7 +23,7 @@ def log_round(peer, result, committed: bool, train_loss: float, tokens: int, ste
               "outer/reducer_bytes": getattr(result, "reducer_bytes", 0),
               "outer/check_s": getattr(result, "check_s", 0.0),
               "outer/check_messages": getattr(result, "check_messages", 0),
-              "outer/check_bytes": getattr(result, "check_bytes", 0), **_roster_reads(peer),
+              "outer/check_bytes": getattr(result, "check_bytes", 0), **_net_costs(peer),
               "global_params_sha256": peer.state.params_digest, "state_sha256": peer.state.digest,
               "error": result.error, **timing, **peer.replica.round_stats(tokens, timing["time/inner_s"]),
               **(peer.rounds.background_split if steps else {})}
@@ -43,13 +43,13 @@ def log_round(peer, result, committed: bool, train_loss: float, tokens: int, ste
                          f"training continues from θ_local")
 
 
-def _roster_reads(peer) -> dict:
-    """The roster reads since the last record: how many, and the entries they returned (the cost grows with N)."""
+def _net_costs(peer) -> dict:
+    """What the run's records cost since the last round record: roster reads (how many, the entries they returned,
+    seconds with their validation: the cost grows with N) and storing our signed commit record (net/certificate.py)."""
     membership = getattr(peer, "membership", None)
-    if membership is None or not hasattr(membership, "take_reads"):
+    if membership is None or not hasattr(membership, "take_costs"):
         return {}
-    reads, entries = membership.take_reads()
-    return {"net/roster_reads": reads, "net/roster_entries": entries}
+    return {f"net/{name}": value for name, value in membership.take_costs().items()}
 
 
 def report(peer, result, train_loss: float, steps: int, committed: bool) -> None:

@@ -67,10 +67,10 @@ class RunRecordValidator(RecordValidatorBase):
 
 def run_keys(prefix: str, run_id: str) -> dict[str, str]:
     """The DHT keys of one run (net/keys.py) and their record kinds."""
-    from p2p_diloco.net.keys import finished_key, roster_key, run_index_key, run_settings_key
+    from p2p_diloco.net.keys import commits_key, finished_key, roster_key, run_index_key, run_settings_key
 
     return {roster_key(prefix): "roster", finished_key(prefix): "finished", run_index_key(run_id): "runs",
-            run_settings_key(run_id): "config"}
+            run_settings_key(run_id): "config", commits_key(prefix): "commits"}
 
 
 def install(dht, prefix: str, run_id: str) -> None:

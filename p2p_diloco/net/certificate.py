@@ -1,0 +1,84 @@
+"""PURE: commit certificates — which θ_global a peer may adopt from someone else. No network, no torch.
+
+A member of the group that commits round t signs (t, digest of θ_t): every peer publishes, in its own signed name,
+the (round, digest) pairs of its last :data:`KEPT` commits (net/keys.py ``{prefix}.commits``; the signature is its
+libp2p key's, net/security/records.py). The digest also covers the peer ids of the group that committed round t
+(``quorum``, train/global_state.py), so a state served by anyone names the group that must have signed it.
+
+A peer that adopts round t's θ_global by download (a join or a repair) takes it only with its **certificate**: the
+signed records of more than half of that group naming exactly that (t, digest). And, where it can check the chain
+(it holds round t − 1 itself and knows the group that committed it), with more than half of **that** group's
+members still alive among the signers: the rule that group used to commit (net/averaging/contribution.py
+``count_quorum``), now checked by the one who adopts. So
+
+* a stranger who serves a state it made up (its own ids as the group, all of them signing) is refused by every
+  peer that holds the round before: it would need the signatures of most of the run's last group;
+* two groups of one round cannot both hold a certificate a peer at the round before accepts: the groups are
+  disjoint, and each needs more than half of the same alive members;
+* what it does not cover: a peer more than one round behind (or fresh, at round 0) checks only the group's own
+  majority (it does not know the groups in between), and a Sybil majority of the run's identities signs anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection, Mapping, Optional, Sequence
+
+KEPT = 8  # commits each peer's record lists (a joiner one or two rounds late still finds its target's)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a downloaded state's certificate holds, with the counts behind it (for the log and the metrics)."""
+    ok: bool
+    signed: int     # members of the state's group that signed its (round, digest)
+    group: int      # the state's group
+    chained: bool   # the chain to our own round's group was checked as well
+    why: str = ""
+
+    def describe(self) -> str:
+        chain = ", chained to our round's group" if self.chained else ""
+        return f"{self.signed} of {self.group} of its group signed it{chain}"
+
+
+def signers(round_: int, digest: str, records: Mapping[str, Sequence[tuple[int, str]]]) -> set[str]:
+    """The peer ids whose published commits include exactly (``round_``, ``digest``)."""
+    return {peer for peer, commits in records.items() if (round_, digest) in {tuple(c) for c in commits}}
+
+
+def remember(commits: Sequence[tuple[int, str]], round_: int, digest: str) -> list[tuple[int, str]]:
+    """Our commit list after committing (``round_``, ``digest``): the newest :data:`KEPT`, one digest per round."""
+    kept = [(r, d) for r, d in commits if r != round_]
+    return sorted(kept + [(round_, digest)])[-KEPT:]
+
+
+def certify(round_: int, digest: str, group: Collection[str], records: Mapping[str, Sequence[tuple[int, str]]],
+            prior: Optional[tuple[int, Collection[str], Collection[str]]] = None,
+            last_round: Optional[int] = None) -> Verdict:
+    """The verdict on a state of round ``round_`` whose digest is ``digest`` and whose committing group is ``group``
+    (peer ids), given every peer's published commits (``records``: peer id → [(round, digest), ...]).
+
+    ``prior``: (our round, the group that committed it, the peer ids we see alive: live roster entries that announce
+    no leave, ourselves included). Used only when ``round_`` is our round + 1 and we know that group; not for the
+    run's last round (``last_round``), whose group commits by the roster rule (net/consensus.py quorum_group)."""
+    group = set(group)
+    if round_ == 0:
+        return Verdict(True, 0, 0, False)  # θ_0: built from the run's settings by everyone, committed by nobody
+    if not group:
+        return Verdict(False, 0, 0, False, "it names no group that committed it")
+    signed = signers(round_, digest, records) & group
+    if 2 * len(signed) <= len(group):
+        return Verdict(False, len(signed), len(group), False,
+                       f"no commit certificate: {len(signed)} of the {len(group)} peers of its group signed it")
+    if prior is None:
+        return Verdict(True, len(signed), len(group), False)
+    our_round, our_group, alive = prior
+    if round_ != our_round + 1 or not our_group or (last_round is not None and round_ >= last_round):
+        return Verdict(True, len(signed), len(group), False)
+    living = set(our_group) & set(alive)
+    chained = signed & set(our_group)
+    if 2 * len(chained) <= len(living):
+        return Verdict(False, len(signed), len(group), True,
+                       f"no commit certificate: {len(chained)} of the {len(living)} peers still alive of the group "
+                       f"that committed round {our_round} signed it")
+    return Verdict(True, len(signed), len(group), True)
