@@ -38,6 +38,8 @@ def _reference(round_, digest, group, records, prior, last_round):
     if round_ != our_round + 1 or not our_group or (last_round is not None and round_ >= last_round):
         return True
     living = [p for p in our_group if p in alive]
+    if not living:
+        return True
     return len([p for p in signed if p in our_group]) > len(living) / 2
 
 
@@ -69,6 +71,8 @@ def test_a_group_of_strangers_signing_its_own_state_is_refused_one_round_ahead()
     # QmB died (its entry expired): of the two of our group still alive, one signed: not more than half
     assert certify(5, D, ["QmA", "QmC2"], {"QmA": [(5, D)], "QmC2": [(5, D)]}, (4, run, {"QmA", "QmC"})).ok is False
     assert certify(5, D, ["QmA"], {"QmA": [(5, D)]}, (4, run, {"QmA"})).ok
+    # none of our round's group alive (the run resumed by peers with new keys): the new group alone decides
+    assert certify(5, D, ["QmN1", "QmN2"], {"QmN1": [(5, D)], "QmN2": [(5, D)]}, (4, run, {"QmN1"})).ok
 
 
 def test_two_disjoint_groups_of_one_round_never_both_pass_a_peer_at_the_round_before():

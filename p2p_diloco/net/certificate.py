@@ -60,7 +60,9 @@ def certify(round_: int, digest: str, group: Collection[str], records: Mapping[s
 
     ``prior``: (our round, the group that committed it, the peer ids we see alive: live roster entries that announce
     no leave, ourselves included). Used only when ``round_`` is our round + 1 and we know that group; not for the
-    run's last round (``last_round``), whose group commits by the roster rule (net/consensus.py quorum_group)."""
+    run's last round (``last_round``), whose group commits by the roster rule (net/consensus.py quorum_group), nor
+    when none of our round's group is alive (a run resumed by peers with new keys: its group commits by the roster
+    rule too)."""
     group = set(group)
     if round_ == 0:
         return Verdict(True, 0, 0, False)  # θ_0: built from the run's settings by everyone, committed by nobody
@@ -76,6 +78,8 @@ def certify(round_: int, digest: str, group: Collection[str], records: Mapping[s
     if round_ != our_round + 1 or not our_group or (last_round is not None and round_ >= last_round):
         return Verdict(True, len(signed), len(group), False)
     living = set(our_group) & set(alive)
+    if not living:  # none of it alive (a run restarted by peers with new keys): its group committed by the roster
+        return Verdict(True, len(signed), len(group), False)
     chained = signed & set(our_group)
     if 2 * len(chained) <= len(living):
         return Verdict(False, len(signed), len(group), True,

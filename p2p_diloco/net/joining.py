@@ -121,6 +121,7 @@ def rejoin(peer):
                                  members.fingerprint, peer.metrics, peer.stop_event, peer.log,
                                  reachability=members.reachability)
     peer.membership.work = members.work
+    peer.membership.commits = members.commits  # the rounds we signed: our record keeps naming them
     (peer.run_dir / "maddrs.txt").write_text("\n".join(visible_maddrs(peer.dht)) + "\n")
     peer.membership.enter()
     return _watch(peer)
