@@ -49,10 +49,9 @@ def sealed(identity: Identity, key: str, value: dict) -> DHTRecord:
 def records(n: int) -> tuple[list[DHTRecord], list[DHTRecord], list[str]]:
     ids = [Identity.generate() for _ in range(n)]
     digests = [f"{r:064x}" for r in range(1, KEPT + 1)]
-    roster = [sealed(i, roster_key(PREFIX), asdict(PeerStatus(name=f"peer{k}", peer_id=i.peer_id_b58, round=KEPT,
-                                                             digest=digests[-1], steps_per_s=1.5, tokens_trained=10 ** 6,
-                                                             reachability="public")))
-              for k, i in enumerate(ids)]
+    statuses = [PeerStatus(name=f"peer{k}", peer_id=i.peer_id_b58, round=KEPT, digest=digests[-1], steps_per_s=1.5,
+                           tokens_trained=10 ** 6, reachability="public") for k, i in enumerate(ids)]
+    roster = [sealed(i, roster_key(PREFIX), asdict(s)) for i, s in zip(ids, statuses)]
     commits = [sealed(i, commits_key(PREFIX), {"peer_id": i.peer_id_b58, "commits": [[r + 1, d] for r, d in
                                                                                     enumerate(digests)]})
                for i in ids]
@@ -93,7 +92,7 @@ def measure(n: int) -> list:
     digest = parsed[ids[0]][-1][1]
     reference = timed(decode(roster + commits))
     roster_s, commits_s = timed(validate(roster, "roster")), timed(validate(commits, "commits"))
-    certify_s = timed(lambda: certify(KEPT, digest, ids, parsed, (KEPT - 1, ids, set(ids))))
+    certify_s = timed(lambda: certify(KEPT, digest, ids, parsed, set(ids), (KEPT - 1, ids), ids[0]))
     return [n, len(roster[0].value), len(commits[0].value), f"{reference * 1e3:.2f}", f"{roster_s * 1e3:.2f}",
             f"{commits_s * 1e3:.2f}", f"{certify_s * 1e6:.0f}", f"{(roster_s + commits_s) / reference:.0f}"]
 

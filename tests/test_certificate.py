@@ -25,54 +25,65 @@ pytestmark = pytest.mark.timeout(60)
 D, E = "ab" * 32, "cd" * 32
 
 
-def _reference(round_, digest, group, records, prior, last_round):
-    """The rule as the docs state it, written plainly: most of the group signed exactly (round, digest); and, one
-    round past ours with our round's group known (not the run's last round), most of that group's living members
-    are among those signers."""
+def _reference(round_, digest, group, records, alive, prior, me, last_round):
+    """The rule as the docs state it, written plainly: at least one and more than half of the group's members alive
+    or signed (any digest of the round) signed exactly (round, digest); and, one round past ours with our round's
+    group known (not the run's last round), more than half of that group's members alive or signed, ourselves left
+    out, are among the signers (no such member: nothing to check)."""
     if round_ == 0:
         return True
-    signed = [p for p in group if any(r == round_ and d == digest for r, d in records.get(p, []))]
-    if not group or not len(signed) > len(group) / 2:
+    signed_any = [p for p, commits in records.items() if any(r == round_ and d == digest for r, d in commits)]
+    committed_any = [p for p, commits in records.items() if any(r == round_ for r, _ in commits)]
+    counts = lambda p: alive is None or p in alive or p in committed_any
+    voters = [p for p in group if counts(p)]
+    signed = [p for p in voters if p in signed_any]
+    if not group or not signed or not len(signed) > len(voters) / 2:
         return False
-    our_round, our_group, alive = prior
+    our_round, our_group = prior
     if round_ != our_round + 1 or not our_group or (last_round is not None and round_ >= last_round):
         return True
-    living = [p for p in our_group if p in alive]
-    if not living:
+    electors = [p for p in our_group if counts(p) and p != me]
+    if not electors:
         return True
-    return len([p for p in signed if p in our_group]) > len(living) / 2
+    return len([p for p in electors if p in signed_any]) > len(electors) / 2
 
 
 def test_the_rule_agrees_with_its_reference_on_random_cases():
     rng = random.Random(7)
     ids = [f"Qm{i}" for i in range(8)]
-    for _ in range(3000):
+    for _ in range(5000):
         round_ = rng.randint(0, 4)
         group = rng.sample(ids, rng.randint(0, 5))
         records = {p: [(rng.choice([round_, round_ - 1, round_ + 1]), rng.choice([D, E]))
                        for _ in range(rng.randint(0, 2))] for p in rng.sample(ids, rng.randint(0, 8))}
-        prior = (rng.randint(0, 4), rng.sample(ids, rng.randint(0, 5)), set(rng.sample(ids, rng.randint(0, 8))))
-        last = rng.choice([None, 3, 5])
-        verdict = certify(round_, D, group, records, prior, last)
-        assert verdict.ok == _reference(round_, D, group, records, prior, last), (round_, group, records, prior)
+        alive = rng.choice([None, set(rng.sample(ids, rng.randint(0, 8)))])
+        prior = (rng.randint(0, 4), rng.sample(ids, rng.randint(0, 5)))
+        me, last = rng.choice(ids), rng.choice([None, 3, 5])
+        verdict = certify(round_, D, group, records, alive, prior, me, last)
+        assert verdict.ok == _reference(round_, D, group, records, alive, prior, me, last), \
+            (round_, group, records, alive, prior, me)
         assert verdict.ok or verdict.why
 
 
 def test_a_group_of_strangers_signing_its_own_state_is_refused_one_round_ahead():
     run = ["QmA", "QmB", "QmC"]                  # the group that committed our round 4; we are QmC
     honest = {"QmA": [(5, D)], "QmB": [(5, D)]}
-    prior = (4, run, set(run))
-    assert certify(5, D, ["QmA", "QmB"], honest, prior).ok  # two of the three alive signed: chained
+    everyone = {"QmA", "QmB", "QmC", "QmX", "QmY"}
+    assert certify(5, D, ["QmA", "QmB"], honest, everyone, (4, run), "QmC").ok  # both others signed: chained
     forged = {**honest, "QmX": [(5, E)], "QmY": [(5, E)]}
-    verdict = certify(5, E, ["QmX", "QmY"], forged, prior)  # a group of its own, all of it signing
-    assert not verdict.ok and verdict.chained and "0 of the 3" in verdict.why
-    assert certify(5, E, ["QmX", "QmY"], forged, (0, [], {"QmC"})).ok  # a fresh joiner checks the group alone
-    assert not certify(5, D, ["QmA", "QmB", "QmZ", "QmW"], honest, None).ok  # two of four is no majority
-    # QmB died (its entry expired): of the two of our group still alive, one signed: not more than half
-    assert certify(5, D, ["QmA", "QmC2"], {"QmA": [(5, D)], "QmC2": [(5, D)]}, (4, run, {"QmA", "QmC"})).ok is False
-    assert certify(5, D, ["QmA"], {"QmA": [(5, D)]}, (4, run, {"QmA"})).ok
-    # none of our round's group alive (the run resumed by peers with new keys): the new group alone decides
-    assert certify(5, D, ["QmN1", "QmN2"], {"QmN1": [(5, D)], "QmN2": [(5, D)]}, (4, run, {"QmN1"})).ok
+    verdict = certify(5, E, ["QmX", "QmY"], forged, everyone, (4, run), "QmC")  # its own group, all signing
+    assert not verdict.ok and verdict.chained and "0 of the 2" in verdict.why, verdict
+    assert certify(5, E, ["QmX", "QmY"], forged, everyone, (0, []), "QmC").ok  # a fresh joiner checks the group
+    # a made-up group naming live members of the run needs their signatures
+    assert not certify(5, E, ["QmA", "QmB", "QmX"], forged, everyone, (0, []), "QmC").ok
+    # members that died before signing count neither way: the one who signed carries a group of two ...
+    assert certify(5, D, ["QmA", "QmB"], {"QmA": [(5, D)]}, {"QmA", "QmC"}, (4, run), "QmC").ok
+    # ... while they look alive (their entries not expired yet), it waits
+    assert not certify(5, D, ["QmA", "QmB"], {"QmA": [(5, D)]}, everyone, (4, run), "QmC").ok
+    # none of our round's group left (the run resumed by peers with new keys): the new group alone decides
+    assert certify(5, D, ["QmN1", "QmN2"], {"QmN1": [(5, D)], "QmN2": [(5, D)]}, {"QmN1", "QmN2", "QmC"},
+                   (4, run), "QmC").ok
+    assert not certify(5, D, ["QmA"], {}, None, None).ok  # nobody signed: never
 
 
 def test_two_disjoint_groups_of_one_round_never_both_pass_a_peer_at_the_round_before():
@@ -82,8 +93,8 @@ def test_two_disjoint_groups_of_one_round_never_both_pass_a_peer_at_the_round_be
             records = {p: [(3, D if i % 2 else E)] for i, p in enumerate(ids)}
             first = [p for p in ids if records[p][0][1] == D]
             second = [p for p in ids if records[p][0][1] == E]
-            prior = (2, list(our_group), set(ids))
-            both = certify(3, D, first, records, prior).ok and certify(3, E, second, records, prior).ok
+            both = certify(3, D, first, records, set(ids), (2, list(our_group)), "Qme").ok and \
+                certify(3, E, second, records, set(ids), (2, list(our_group)), "Qme").ok
             assert not both, our_group
 
 

@@ -125,7 +125,7 @@ def test_kill_while_the_allreduce_is_in_flight(tmp_path, process_tag):
 def test_a_leader_killed_in_its_inner_steps_costs_its_followers_no_attempt(tmp_path, process_tag):
     """peer0 holds the smallest peer id, so it leads every round (net/consensus.py designated_leader), and dies
     halfway through round 2's inner steps, before it declares a group. Its followers ping it while they wait, find
-    it dead, pass it over and gather under the next leader within the same attempt (net/exchange.py LeaderWatch):
+    it dead, pass it over and gather under the next leader within the same attempt (net/watches.py LeaderWatch):
     neither loses an attempt. Before, both waited out two matchmaking windows and failed round 2 (a 12-peer swarm
     with a member killed in each round lost a round on all 11 survivors so)."""
     ids = identities(tmp_path, ("peer0", "peer1", "peer2"))

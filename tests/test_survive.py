@@ -1,4 +1,5 @@
-"""Rounds that survive a member's death (net/averaging/survive.py): the pure rules of the retry group."""
+"""Rounds that survive a member's death (net/averaging/survive.py): the pure rules of the retry group; what a
+follower watches while it waits for a group (net/watches.py)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ def test_a_survivor_keeps_itself_and_the_members_it_is_still_connected_to_in_the
 
 
 def test_a_follower_gives_up_on_its_leader_only_after_pings_in_a_row_go_unanswered(monkeypatch):
-    """net/exchange.py LeaderWatch: a leader that answers is waited for however long; two unanswered pings in a row
+    """net/watches.py LeaderWatch: a leader that answers is waited for however long; two unanswered pings in a row
     end the wait; our own DHT failing to ask is not the leader's fault."""
     from concurrent.futures import Future
 
-    from p2p_diloco.net.exchange import LeaderWatch
+    from p2p_diloco.net.watches import LeaderWatch
 
     class FakeDHT:
         def __init__(self, answers):
@@ -56,3 +57,35 @@ def test_a_follower_gives_up_on_its_leader_only_after_pings_in_a_row_go_unanswer
     monkeypatch.setattr(LeaderWatch, "PERIOD_S", 3600.0)
     slow = LeaderWatch(FakeDHT([False, False]), "x", 1.0)
     assert slow() is None and slow() is None and slow.dht.asked == 1  # at most one ping per period
+
+
+def test_a_follower_stops_waiting_once_the_run_credibly_committed_its_round_without_it(monkeypatch):
+    """net/watches.py RunWatch: nothing read during a healthy wait; a stranger's claim of a later round is not
+    followed; once most of the run holds the next round, the wait ends and that round is remembered as the run's."""
+    from p2p_diloco.net.consensus import PeerStatus
+    from p2p_diloco.net.watches import RunWatch, Watches
+
+    class FakeMembership:
+        def __init__(self):
+            self.known_round, self.reads = 0, 0
+            self.others = [PeerStatus(name=n, peer_id=f"Qm{n}", round=3, digest="aa") for n in "abc"]
+
+        def status(self):
+            return PeerStatus(name="me", peer_id="Qmme", round=3, digest="aa")
+
+        def live_roster(self):
+            self.reads += 1
+            return list(self.others)
+
+    members = FakeMembership()
+    watch = RunWatch(members, 3)
+    assert watch() is None and members.reads == 0  # the first AFTER_S seconds: no read at all
+    monkeypatch.setattr(RunWatch, "PERIOD_S", 0.0)
+    watch._next = 0.0
+    members.others.append(PeerStatus(name="x", peer_id="Qmx", round=10 ** 6, digest="ff"))  # a stranger's claim
+    assert watch() is None and not watch.run_moved and members.known_round == 0
+    for s in members.others[:3]:
+        s.round, s.digest = 4, "bb"  # the run committed round 4 without us
+    both = Watches(lambda: None, watch)
+    assert both() == "the run committed round 4 while we waited for a group of round 4"
+    assert both.run_moved and members.known_round == 4

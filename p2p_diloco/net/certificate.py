@@ -8,8 +8,10 @@ libp2p key's, net/security/records.py). The digest also covers the peer ids of t
 A peer that adopts round t's θ_global by download (a join or a repair) takes it only with its **certificate**: the
 signed records of more than half of that group naming exactly that (t, digest). And, where it can check the chain
 (it holds round t − 1 itself and knows the group that committed it), with more than half of **that** group's
-members still alive among the signers: the rule that group used to commit (net/averaging/contribution.py
-``count_quorum``), now checked by the one who adopts. So
+members among the signers: the rule that group used to commit (net/averaging/contribution.py ``count_quorum``),
+now checked by the one who adopts. In both counts a member that died without signing (killed between its commit
+and its record's store) counts neither way: "more than half of those alive or signed", as the quorum counts
+those still alive. So
 
 * a stranger who serves a state it made up (its own ids as the group, all of them signing) is refused by every
   peer that holds the round before: it would need the signatures of most of the run's last group;
@@ -53,36 +55,46 @@ def remember(commits: Sequence[tuple[int, str]], round_: int, digest: str) -> li
 
 
 def certify(round_: int, digest: str, group: Collection[str], records: Mapping[str, Sequence[tuple[int, str]]],
-            prior: Optional[tuple[int, Collection[str], Collection[str]]] = None,
-            last_round: Optional[int] = None) -> Verdict:
+            alive: Optional[Collection[str]] = None, prior: Optional[tuple[int, Collection[str]]] = None,
+            me: str = "", last_round: Optional[int] = None) -> Verdict:
     """The verdict on a state of round ``round_`` whose digest is ``digest`` and whose committing group is ``group``
     (peer ids), given every peer's published commits (``records``: peer id → [(round, digest), ...]).
 
-    ``prior``: (our round, the group that committed it, the peer ids we see alive: live roster entries that announce
-    no leave, ourselves included). Used only when ``round_`` is our round + 1 and we know that group; not for the
-    run's last round (``last_round``), whose group commits by the roster rule (net/consensus.py quorum_group), nor
-    when none of our round's group is alive (a run resumed by peers with new keys: its group commits by the roster
-    rule too)."""
+    ``alive``: the peer ids we see alive (live roster entries that announce no leave; None: no view, everyone
+    counts). A member that died before its record was stored (killed between its commit and the store) can sign
+    nothing, and is not counted against the state: more than half of the group's members **alive or signed** (a
+    commit of this round, whatever its digest) must have signed it, and at least one. (A group of two whose other
+    member died before the checks commits alone, by design: its certificate is its own signature.)
+
+    ``prior``: (our round, the group that committed it). Used only when ``round_`` is our round + 1 and we know that
+    group; not for the run's last round (``last_round``), whose group commits by the roster rule (net/consensus.py
+    quorum_group): more than half of that group's members alive or signed, leaving out ourselves (``me``: we did
+    not commit ``round_``, or we would hold it), must be among the signers. No chain is checked when none of them is
+    left (a run resumed by peers with new keys: its group commits by the roster rule too)."""
     group = set(group)
     if round_ == 0:
         return Verdict(True, 0, 0, False)  # θ_0: built from the run's settings by everyone, committed by nobody
     if not group:
         return Verdict(False, 0, 0, False, "it names no group that committed it")
-    signed = signers(round_, digest, records) & group
-    if 2 * len(signed) <= len(group):
+    signing = signers(round_, digest, records)
+    committed = {peer for peer, commits in records.items() if any(c[0] == round_ for c in commits)}  # any digest
+    counted = (lambda ids: set(ids)) if alive is None else (lambda ids: set(ids) & (set(alive) | committed))
+    signed, voters = signing & group, counted(group)
+    if not signed or 2 * len(signed) <= len(voters):
         return Verdict(False, len(signed), len(group), False,
-                       f"no commit certificate: {len(signed)} of the {len(group)} peers of its group signed it")
+                       f"no commit certificate: {len(signed)} of the {len(voters)} peers of its group alive or "
+                       f"signed signed it")
     if prior is None:
         return Verdict(True, len(signed), len(group), False)
-    our_round, our_group, alive = prior
+    our_round, our_group = prior
     if round_ != our_round + 1 or not our_group or (last_round is not None and round_ >= last_round):
         return Verdict(True, len(signed), len(group), False)
-    living = set(our_group) & set(alive)
-    if not living:  # none of it alive (a run restarted by peers with new keys): its group committed by the roster
+    electors = counted(our_group) - {me}
+    if not electors:  # none of it left (a run resumed by peers with new keys): its group committed by the roster
         return Verdict(True, len(signed), len(group), False)
-    chained = signed & set(our_group)
-    if 2 * len(chained) <= len(living):
+    chained = signing & electors
+    if 2 * len(chained) <= len(electors):
         return Verdict(False, len(signed), len(group), True,
-                       f"no commit certificate: {len(chained)} of the {len(living)} peers still alive of the group "
-                       f"that committed round {our_round} signed it")
+                       f"no commit certificate: {len(chained)} of the {len(electors)} peers alive or signed of the "
+                       f"group that committed round {our_round} signed it")
     return Verdict(True, len(signed), len(group), True)

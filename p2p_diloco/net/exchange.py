@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from p2p_diloco.net import consensus
+from p2p_diloco.net.watches import LeaderWatch, RunWatch, Watches
 from p2p_diloco.train.overlap import Overlap
 
 
@@ -70,34 +71,10 @@ class _SatOut:
 RESTARTS = 3  # how many dead leaders one attempt passes over before it fails (Exchange.settle)
 
 
-class LeaderWatch:
-    """A follower's watch on the leader it waits for (net/averaging/seam.py ``PendingAverage``): a ping every
-    :attr:`PERIOD_S` seconds; after :attr:`MISSES` pings in a row without an answer, why to stop waiting.
-
-    A leader killed during its inner steps never declares its group: its followers used to wait two whole matchmaking
-    windows for it and fail the attempt (a 12-peer swarm with a member killed each round lost round 2 on all 11
-    survivors so), and only its roster entry's expiry made them name another. A dead peer's DHT node does not
-    answer (its p2pd died with it; on loopback the dial is refused at once, over the internet it times out): the
-    followers stop looking, pass it over for the round (consensus.Leaders) and look for the next leader's group within
-    the same attempt. A live leader still in its inner steps answers, and is waited for as before."""
-
-    PERIOD_S, MISSES = 2.0, 2
-
-    def __init__(self, dht, leader: str, timeout: float):
-        self.dht, self.leader, self.timeout = dht, leader, timeout
-        self.misses, self._next = 0, 0.0
-
-    def __call__(self) -> Optional[str]:
-        if time.monotonic() < self._next:
-            return None
-        from p2p_diloco.net.dht import answers
-
-        alive = answers(self.dht, self.leader, self.timeout)
-        self._next = time.monotonic() + self.PERIOD_S
-        self.misses = self.misses + 1 if alive is False else 0
-        if self.misses >= self.MISSES:
-            return f"the leader …{self.leader[-6:]} does not answer ({self.misses} pings in a row)"
-        return None
+def _run_moved(pending) -> bool:
+    """Our wait for a group ended because the run committed our round's successor without us (RunWatch)."""
+    watch = getattr(pending, "watch", None)
+    return bool(getattr(watch, "run_moved", False))
 
 
 class Exchange:
@@ -156,7 +133,7 @@ class Exchange:
             pending, self.pending = self.pending, None
             result, waited = pending.result(), pending.waited
             for _ in range(RESTARTS):  # the leader we waited for is dead: the next one, within this attempt
-                if not result.abandoned or self.overlap is not None:
+                if not result.abandoned or self.overlap is not None or _run_moved(pending):
                     break
                 self.leaders.no_group()
                 self.peer.log.info(f"round {self.peer.round + 1}: {result.error}; looking for a group under the "
@@ -221,7 +198,8 @@ class Exchange:
             leader = self.leaders.name(me, live, peer.state.quorum)
             lead = leader == me.peer_id
             if not lead and leader and peer.dht is not None:
-                watch = LeaderWatch(peer.dht, leader, peer.cfg.averaging.request_timeout)
+                watch = Watches(LeaderWatch(peer.dht, leader, peer.cfg.averaging.request_timeout),
+                                RunWatch(peer.membership, peer.round))
             peer.averager.set_group_size(self._group_size(me, live, lead))
         contribution = Contribution(name=peer.name, round=peer.round, digest=peer.state.digest,
                                     tokens=peer.tokens_since_commit, steps_per_s=self.announced_speed,

@@ -22,28 +22,26 @@ import threading
 import time
 from typing import Optional
 
-import torch
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco.config import Config, ConfigError, shared_settings
-from p2p_diloco.net.certificate import Verdict, certify, remember
+from p2p_diloco.net.adoption import Adoption
+from p2p_diloco.net.certificate import remember
 from p2p_diloco.net.consensus import (PeerStatus, SyncTarget, credible_rounds, finished_without, majority_state,
                                       remembered, sync_target)
 from p2p_diloco.net.dht import reconnect, redial
-from p2p_diloco.net.keys import (commits_bytes, publish_commits, publish_finished, publish_run_index, publish_run_settings,
-                                 publish_status, read_commits, read_finished, read_roster_expiring)
+from p2p_diloco.net.keys import (commits_bytes, publish_commits, publish_finished, publish_run_index,
+                                 publish_run_settings, publish_status, read_finished, read_roster_expiring)
 from p2p_diloco.net.security import schema
 from p2p_diloco.ops.metrics import MetricsSink
 from p2p_diloco.train.global_state import GlobalState
-from p2p_diloco.train.global_state import parse_quorum
-from p2p_diloco.train.outer import state_digests
 
 logger = logging.getLogger("p2p_diloco")
 COMMITS_REFRESH = 600.0  # s between stores of an unchanged commit record (it lasts an hour: net/keys.py)
 FINISHED_TTL = 3600.0  # s a "finished the run" entry lasts: a peer that comes late still learns the run is over
 
 
-class Membership:
+class Membership(Adoption):
     """Roster, heartbeat, sync and state serving for one peer. ``state`` is the peer's :class:`GlobalState`."""
 
     def __init__(self, cfg: Config, dht, averager, prefix: str, name: str, state: GlobalState, fingerprint: str,
@@ -76,7 +74,7 @@ class Membership:
         # the (round, digest) pairs we committed as a member of the group, signed in our name (net/certificate.py);
         # a peer resuming a round it committed signs it again (its record may have expired)
         self.commits: list[tuple[int, str]] = []
-        if state.round > 0 and self.peer_id in state.quorum:
+        if getattr(state, "round", 0) > 0 and self.peer_id in getattr(state, "quorum", ()):
             self.commits = remember([], state.round, state.digest)
         self._commits_stored = 0.0  # monotonic time of the last confirmed store of our commit record (0: none)
         self.certificate_read_s = 0.0  # the last certificate check's DHT read (and validation), seconds
@@ -325,81 +323,3 @@ class Membership:
             self.log.warning(f"behind the run (round {target.round}) but no donor serves that state yet")
             return None
         return target
-
-    def fetch(self, target: SyncTarget, fresh: bool) -> bool:
-        """Download ``target`` from its donors (digest-checked) into our state. True if our state was replaced.
-        ``fresh``: this peer has not trained yet (the transfer is logged as a join, else as a repair)."""
-        kind = "join" if fresh else "repair"
-        self.log.info(f"{kind}: our round {self.state.round} ({self.state.digest[:12]}) vs the run's round "
-                      f"{target.round} ({target.digest[:12]}); fetching state")
-        return self._fetch_state(target, kind)
-
-    def _fetch_state(self, target: SyncTarget, kind: str) -> bool:
-        start = time.perf_counter()
-        got = self.averager.download_state(target.donors)
-        if got is None:
-            self.log.warning(f"{kind}: no donor delivered the state; retrying next round")
-            return False
-        metadata, tensors, donor = got
-        problem = self._check_state(metadata, tensors, target)
-        verdict = None if problem else self._certificate(metadata)
-        problem = problem or (verdict.why if not verdict.ok else None)
-        if problem:
-            self.log.warning(f"{kind}: state from {donor} rejected: {problem}")
-            return False
-        self.state.load(metadata["round"], tensors, metadata.get("members", ()), parse_quorum(metadata.get("quorum")))
-        self.state_changed()
-        seconds = time.perf_counter() - start
-        size = sum(t.numel() * t.element_size() for t in tensors)
-        self.metrics.log({"event": kind, "peer": self.name, "round": self.state.round, "donor": metadata.get("name"),
-                          "state_bytes": size, "seconds": seconds, "global_params_sha256": self.state.params_digest,
-                          "state_sha256": self.state.digest, "certificate_signed": verdict.signed,
-                          "certificate_group": verdict.group, "certificate_chained": verdict.chained,
-                          "certificate_read_s": self.certificate_read_s})
-        self.log.info(f"{kind}: got round {self.state.round} from {metadata.get('name')} ({size / 1e6:.1f} MB in "
-                      f"{seconds:.2f} s); digest verified, {verdict.describe()}")
-        return True
-
-    def _check_state(self, metadata, tensors, target: SyncTarget) -> Optional[str]:
-        """Why a downloaded state is unusable, or None: shapes and dtypes, finiteness, the donor's own digest, and
-        the run's round. (Its size was bounded while it arrived: net/averaging/averager.py.)"""
-        ours = self.state.tensors()
-        if not isinstance(metadata, dict) or metadata.get("fingerprint") != self.fingerprint:
-            return "not a state of this run's model"
-        if not isinstance(metadata.get("round"), int) or isinstance(metadata.get("round"), bool):
-            return "its round is not a number"
-        if [(t.shape, t.dtype) for t in tensors] != [(t.shape, t.dtype) for t in ours]:
-            return "tensor shapes or dtypes differ"
-        if not all(bool(torch.isfinite(t).all()) for t in tensors):
-            return "it holds NaN or Inf"
-        quorum = parse_quorum(metadata.get("quorum"))
-        if quorum is None:
-            return "its round's quorum is not a list of peer ids"
-        n = len(self.state.params)
-        _, digest = state_digests(tensors[:n], tensors[n:], quorum)
-        if digest != metadata.get("digest"):
-            return "bytes do not match the donor's digest (corrupted in transit)"
-        if metadata.get("round", -1) < target.round or (metadata["round"] == target.round and target.digest
-                                                        and digest != target.digest):
-            return f"round {metadata.get('round')} is not the run's round {target.round}"
-        return None
-
-    def _certificate(self, metadata: dict) -> Verdict:
-        """The commit certificate of a downloaded state (net/certificate.py), checked against the commit records
-        in the DHT and, one round ahead of ours, against the group that committed our round."""
-        begun = time.perf_counter()
-        records = read_commits(self.dht, self.prefix, self.cfg.averaging.request_timeout)
-        self.certificate_read_s = time.perf_counter() - begun
-        now = get_dht_time()
-        alive = {pid for pid, (s, expires) in self._known.items() if expires > now and not s.leaving}
-        prior = (self.state.round, list(self.state.quorum), alive | {self.peer_id})
-        return certify(metadata["round"], metadata["digest"], parse_quorum(metadata.get("quorum")) or [], records,
-                       prior, self.cfg.run.rounds)
-
-    def donate_state(self) -> tuple[dict, list]:
-        """Called on hivemind's state thread when a peer downloads from us: a consistent snapshot."""
-        round_, digest, tensors, members, quorum = self.state.snapshot()
-        metadata = {"round": round_, "digest": digest, "fingerprint": self.fingerprint, "name": self.name,
-                    "members": members, "quorum": quorum}
-        return metadata, tensors
-
