@@ -99,7 +99,7 @@ def measure(n: int) -> list:
 
 def main() -> None:
     global args
-    p = argparse.ArgumentParser(description=__doc__.split("Run:")[0].strip())
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peers", type=int, nargs="+", default=[4, 16])
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
