@@ -196,10 +196,42 @@ def test_the_leader_waits_only_for_missed_last_committers_that_answer_a_ping(mon
     monkeypatch.setattr(dht_module, "answering", answering)
     cfg = load_config(overrides={"run.expected_peers": 16})
     state = SimpleNamespace(params=[], quorum=["M0", "A1", "C3", "D4", "E5"], round=3)
-    peer = SimpleNamespace(cfg=cfg, state=state, round=3, dht=object(), membership=SimpleNamespace(left={"E5"}))
+    stale = set()
+    peer = SimpleNamespace(cfg=cfg, state=state, round=3, dht=object(),
+                           membership=SimpleNamespace(left={"E5"}, stale=lambda: stale))
     exchange = Exchange(peer, "none")
     me, live = PeerStatus("m", "M0", 3, "x"), [PeerStatus("a", "A1", 3, "x")]
     assert exchange._group_size(me, live, lead=True) == 3 and asked == [["C3", "D4"]]  # M0, A1, and C3
     assert exchange._group_size(me, live, lead=False) == 2 and len(asked) == 1
+    # a live entry that missed two heartbeats is pinged too: D4's (dead) is not waited for, C3's (late) is
+    stale.update({"C3", "D4"})
+    live = [PeerStatus("a", "A1", 3, "x"), PeerStatus("c", "C3", 3, "x"), PeerStatus("d", "D4", 3, "x")]
+    assert exchange._group_size(me, live, lead=True) == 3 and asked[-1] == ["C3", "D4"]
+    stale.clear()
+    assert exchange._group_size(me, live, lead=True) == 4 and len(asked) == 2  # none stale: D4's entry counts
     peer.round = 0  # round 1: the run's declared size
     assert exchange._group_size(me, live, lead=False) == 16
+
+
+def test_an_entry_is_stale_once_it_missed_two_heartbeats():
+    import threading
+    import types
+
+    import torch
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from p2p_diloco.config import Config
+    from p2p_diloco.net.membership import Membership
+    from p2p_diloco.ops.metrics import MetricsSink
+    from p2p_diloco.train.global_state import GlobalState
+    from p2p_diloco.train.outer import OuterNesterov
+
+    params = [torch.ones(2)]
+    me = Membership(Config(), None, types.SimpleNamespace(peer_id="me"), "prefix", "me",
+                    GlobalState(params, OuterNesterov(params, lr=0.7, momentum=0.9)), "fp", MetricsSink(),
+                    threading.Event())
+    ttl, now = me.cfg.averaging.roster_ttl, get_dht_time()
+    me._known = {"fresh": (PeerStatus("f", "fresh", 1, "x"), now + ttl - 1),       # its last heartbeat: 1 s ago
+                 "late": (PeerStatus("l", "late", 1, "x"), now + ttl / 2),        # missed one
+                 "dead": (PeerStatus("d", "dead", 1, "x"), now + ttl / 3 - 1)}   # missed two
+    assert me.stale() == {"dead"}

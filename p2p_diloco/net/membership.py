@@ -146,6 +146,12 @@ class Membership(Adoption):
         self.left = {s.peer_id for s in roster if s.leaving}
         return roster
 
+    def stale(self) -> set[str]:
+        """Peer ids whose newest entry we read missed two heartbeats (it expires within one heartbeat period): dead,
+        frozen or very late. The leader pings them before it sizes its group (net/exchange.py)."""
+        now, period = get_dht_time(), self.cfg.averaging.roster_ttl / 3
+        return {pid for pid, (_, expires) in self._known.items() if expires - now < period}
+
     def _count(self, **costs) -> None:
         for name, value in costs.items():
             self._costs[name] += value
