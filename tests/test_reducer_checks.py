@@ -184,9 +184,11 @@ def _tensors(seed: int) -> list[torch.Tensor]:
     return [torch.randn(s, generator=g) * 1e-3 for s in SHAPES]
 
 
-def _worker(index, initial_peers, setups, results):
+def _worker(index, initial_peers, setups, results, barrier):
     """One member: for each setup (verify_parts, attacker index or None) average once; report (setup, index, ok,
-    error, sha256 of the buffers after the all-reduce)."""
+    error, sha256 of the buffers after the all-reduce). The members start each setup together (``barrier``): the
+    equivocator's own checks can wait out the all-reduce's deadline (30 s) for the digests of a member that already
+    closed its averager, and the others, 4 s into the next setup's matchmaking by then, found no group (CI, once)."""
     torch.set_num_threads(1)
     from p2p_diloco.net.averaging import Averager, Contribution
     from p2p_diloco.net.dht import start_dht
@@ -194,6 +196,7 @@ def _worker(index, initial_peers, setups, results):
     dht = start_dht(NetworkConfig(initial_peers=initial_peers, host_maddrs=LOOPBACK))
     try:
         for i, (verify, attacker) in enumerate(setups):
+            barrier.wait(timeout=90)
             cfg = AveragingConfig(matchmaking_time=4, request_timeout=2, allreduce_timeout=30, next_chunk_timeout=5,
                                   part_size_bytes=2 ** 14, verify_parts=verify)  # ~6 parts per reducer
             averager = Averager(dht, cfg, f"rc{i}", SHAPES, expected_group_size=3,
@@ -221,13 +224,13 @@ def rounds(module_process_tag):
     from p2p_diloco.net.dht import start_dht, visible_maddrs
 
     ctx = mp.get_context("fork")
-    results = ctx.Queue()
+    results, barrier = ctx.Queue(), ctx.Barrier(3)
     boot = start_dht(NetworkConfig(host_maddrs=LOOPBACK))
     workers = []
     try:
         for i in range(3):
             workers.append(ctx.Process(target=_worker, args=(i, visible_maddrs(boot), list(SETUPS.values()),
-                                                              results)))
+                                                              results, barrier)))
             workers[-1].start()
         out = {}
         for _ in range(3 * len(SETUPS)):
