@@ -191,19 +191,15 @@ def with_my_group(me: PeerStatus, live: Sequence[PeerStatus], group: tuple[int, 
 def expected_group(me: PeerStatus, live: Sequence[PeerStatus], quorum: Collection[str] = (),
                    left: Collection[str] = (), floor: int = 0) -> int:
     """How many peers the round's group waits for (the leader starts it once that many joined, or when its window
-    ends): every live entry at our round, ourselves, and the peers of ``quorum`` (those that committed our round: GlobalState.
+    ends): every live entry, ourselves, and the peers of ``quorum`` (those that committed our round: GlobalState.
     quorum) that the roster read missed, unless they announced a leave (``left``). Under load a read misses entries
     whose heartbeat was late; the leader then started the group as soon as the peers it saw had joined, and the
     missed ones, arriving a second later, failed the round (the last of a run, 3 of 5 times with 16 peers on 2
     cores). The leader passes only the listed peers that still answer a ping (net/exchange.py): a dead one would
     cost every round after its death the whole window.
     ``floor``: round 1 has no such list (θ_0 was committed by nobody), but every peer waited for the run's
-    ``run.expected_peers`` before it (a read missed 5 of 16 once: round 1 went to 11, the 5 others repaired).
-    Entries at other rounds are not waited for: a peer behind (a straggler, or a replacement that just started)
-    fetches the run's state and trains its inner steps first, and arrives after the window; waiting for it cost
-    the round after every kill the whole window (16 peers with a kill each round: 18–20 s against 3–6 s)."""
-    return max(floor, len({s.peer_id for s in live if s.round == me.round} | {me.peer_id}
-                          | (set(quorum) - set(left))))
+    ``run.expected_peers`` before it (a read missed 5 of 16 once: round 1 went to 11, the 5 others repaired)."""
+    return max(floor, len({s.peer_id for s in live} | {me.peer_id} | (set(quorum) - set(left))))
 
 
 def designated_leader(me: PeerStatus, live: Sequence[PeerStatus], passed_over: Collection[str] = (),
