@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Optional
@@ -76,7 +77,7 @@ class Membership(Adoption):
         self.commits: list[tuple[int, str]] = []
         if getattr(state, "round", 0) > 0 and self.peer_id in getattr(state, "quorum", ()):
             self.commits = remember([], state.round, state.digest)
-        self._commits_stored = 0.0  # monotonic time of the last confirmed store of our commit record (0: none)
+        self._commits_stored = -math.inf  # monotonic time of the last confirmed store of our commit record
         self.certificate_read_s = 0.0  # the last certificate check's DHT read (and validation), seconds
 
     @property
@@ -124,7 +125,7 @@ class Membership(Adoption):
     def committed(self) -> None:
         """We committed the round our state now holds as a member of its group: sign it, then announce it."""
         self.commits = remember(self.commits, self.state.round, self.state.digest)
-        self._commits_stored = 0.0
+        self._commits_stored = -math.inf
         self.state_changed(commits_first=True)
 
     def roster(self) -> list[PeerStatus]:
