@@ -324,14 +324,14 @@ def answering(dht: hivemind.DHT, peer_ids: Sequence[str], timeout: float) -> set
     if not peer_ids:
         return set()
     try:
-        answered = dht.run_coroutine(PingAll(list(peer_ids), timeout), return_future=True).result(timeout=timeout + 5)
+        answered = dht.run_coroutine(_PingAll(list(peer_ids), timeout), return_future=True).result(timeout=timeout + 5)
     except Exception as e:  # noqa: BLE001 - our DHT's process died or is stuck: the supervisor's business
         logger.debug(f"could not ping {len(peer_ids)} peer(s): {e!r}")
         return set(peer_ids)
     return {p for p, ok in zip(peer_ids, answered) if ok}
 
 
-class PingAll:
+class _PingAll:
     """Runs in the DHT's process (picklable, unlike a closure)."""
 
     def __init__(self, peer_ids: list[str], timeout: float):

@@ -17,13 +17,8 @@ so it is kept. If its reducer checks then fail only because members answer that 
 confirmed the same averages), so it joins the retry with its own contribution restored, like the others (a 12-peer
 swarm with a reducer killed mid-serving failed that round on all 11 survivors before). If its checks pass (it could
 not reach the members that lost parts, and a majority confirmed), it commits and takes part in no retry: the retry
-fails for lack of its parts, and the others repair from the round it committed.
-
-A stalled member (frozen: no FIN, no RST) stays connected, and the attempt fails only when its parts' chunk timeout
-passes (``averaging.next_chunk_timeout``). Each survivor then pings the members it is still connected to, at once
-(:data:`PING_S` at most): a frozen machine's DHT node answers nothing (its p2pd is frozen with it), and the
-member is left out of the retry like a dead one. An alive member too slow to answer within :data:`PING_S` is left
-out by some survivors and not others: their retries have different ids and fail, as the first attempt did.
+fails for lack of its parts, and the others repair from the round it committed. A stalled member (no FIN, no RST)
+stays connected: it is kept, and the round fails as before.
 """
 
 from __future__ import annotations
@@ -40,7 +35,6 @@ from hivemind.averaging.matchmaking import MatchmakingException
 logger = logging.getLogger(__name__)
 
 SETTLE_S = 1.0  # how long a survivor lets the network show a death (closed connections) before it looks
-PING_S = 2.0  # how long a member still connected has to answer a survivor's ping (a frozen one never does)
 GROUP_WAIT_S = 10.0  # how long a part waits for its retry group to be registered by this member
 ABANDONED = "matchmaking abandoned"  # an attempt whose matchmaking the host ended: nothing was sent (seam.py)
 
@@ -72,7 +66,6 @@ class Survivor:
         than two are left)."""
         await asyncio.sleep(SETTLE_S)  # no event tells us a remote process died: its closed connections do
         connected = {info.peer_id for info in await self._p2p.list_peers()}
-        connected = await self._answering(connected & set(group_info.peer_ids) - {self.peer_id})
         keep = kept_members(group_info.peer_ids, self.peer_id, connected)
         if len(keep) == len(group_info.peer_ids) or len(keep) < 2:
             return None
@@ -80,22 +73,6 @@ class Survivor:
         retry = GroupInfo(retry_group_id(group_info.group_id, kept), tuple(kept),
                           tuple(group_info.gathered[i] for i in keep))
         return retry, keep
-
-    async def _answering(self, peers: set) -> set:
-        """Those of ``peers`` whose DHT node answers a ping within :data:`PING_S`; all of them if our DHT cannot ask
-        (nobody is left out for our own failure) or we have none (tests)."""
-        dht = getattr(self, "dht", None)
-        if not peers or dht is None:
-            return set(peers)
-        from p2p_diloco.net.dht import PingAll
-
-        ordered = sorted(peers, key=str)
-        try:
-            answers = await dht.run_coroutine(PingAll([p.to_base58() for p in ordered], PING_S), return_future=True)
-        except Exception as e:  # noqa: BLE001 - our DHT's process died or is stuck: the supervisor's business
-            logger.debug(f"could not ping the group: {e!r}")
-            return set(peers)
-        return {p for p, ok in zip(ordered, answers) if ok}
 
     @contextlib.asynccontextmanager
     async def _registered(self, group_info: GroupInfo):
