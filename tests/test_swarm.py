@@ -105,6 +105,10 @@ def test_kill_each_round_kills_a_sender_and_a_member_before_the_checks_and_repla
     failed = [(r["round"] + 1, r.get("error") or "") for r in survivor
               if r.get("event") == "round" and not r["committed"]]
     assert all(n != 2 for n, _ in failed), f"a survivor failed the round a sender died in: {failed}"
+    # and without waiting for the dead sender to start (the swarm's 15 s sender timeout): losing the dead member's
+    # parts as a reducer stops the survivors' own reducers at once, so their retry starts within seconds
+    round2 = next(r for r in survivor if r.get("event") == "round" and r["committed"] and r["round"] == 2)
+    assert round2["outer/allreduce_s"] < 15.0, f"the survivors waited out the sender timeout: {round2}"
     assert all("only 1 of the group's 2 members" in why for n, why in failed if n == 3), f"round 3 lost: {failed}"
     assert summary["rounds"][1]["committed_by"] == 2 and "peer2" not in summary["rounds"][1]["global_params_sha256"]
     assert "running it again among them" in (tmp_path / "peer0.log").read_text()

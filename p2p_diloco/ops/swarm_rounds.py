@@ -8,7 +8,6 @@ round two groups committed with different θ_global shows as a fork, with how ma
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Optional
 

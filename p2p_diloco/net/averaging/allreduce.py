@@ -53,6 +53,7 @@ class CanonicalAllReduceRunner(Attesting, ReducerAttacks, AllReduceRunner):
         self.weights = dict(zip(self.ordered_peer_ids, weights)) if weights is not None else None
         self.attack = attack  # faults.Attack acting on what we send (tests): shape, weight
         self.malformed: dict = {}  # PeerID -> why its contribution was refused (by us, or by a reducer that told us)
+        self.refused: dict = {}  # PeerID -> why: the senders our reducer refused itself (the only ones it accuses)
         self.aggregator = aggregator
         if aggregator.holds_parts:
             self.tensor_part_reducer = HoldingPartReducer(self.tensor_part_reducer.part_shapes,
@@ -98,9 +99,9 @@ class CanonicalAllReduceRunner(Attesting, ReducerAttacks, AllReduceRunner):
     def _refusal(self) -> averaging_pb2.AveragingData:
         """What a reducer that stops serving sends: if a sender was malformed, the culprit, and as evidence the part
         it refused with the culprit's signature (evidence.py); a reducer refusing its own part shows none."""
-        if not self.malformed:
+        if not self.refused:  # what other reducers or members told us is theirs to show, not ours
             return averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
-        peer, why = next(iter(self.malformed.items()))
+        peer, why = next(iter(self.refused.items()))
         part_index, msg = self.evidence.get(peer, (-1, averaging_pb2.AveragingData()))
         signature, summary, key = unseal(msg.peer_id) or (b"", b"", b"")
         accusation = Accusation(why, part_index, signature, key, summary)
@@ -112,6 +113,7 @@ class CanonicalAllReduceRunner(Attesting, ReducerAttacks, AllReduceRunner):
         peer = self.sender_peer_ids[sender_index]
         logger.warning(f"reducer: sender {peer} sent a malformed contribution: {why}; failing the round")
         self.malformed.setdefault(peer, why)
+        self.refused.setdefault(peer, why)
         if msg is not None:
             self.evidence.setdefault(peer, (part_index, msg))
         await self._ban_sender(peer)
@@ -137,7 +139,18 @@ class CanonicalAllReduceRunner(Attesting, ReducerAttacks, AllReduceRunner):
                 logger.warning(f"lost parts {self._parts_received[peer_index]}+ of reducer {peer_id}: {e!r}")
             self.failed_reducers.add(peer_id)
             self.tensor_part_container.register_failed_reducer(peer_index)  # unblocks output iteration; round fails
+            if isinstance(e, Exception) and peer_id != self.peer_id:
+                await self._stop_reducing()
             raise
+
+    async def _stop_reducing(self) -> None:
+        """A lost reducer's parts fail this attempt here, and so everywhere (a member that completes commits only
+        when every member it reaches confirmed the same averages, verify.py): stop serving our own part at once
+        rather than wait for a sender that may be dead to start (the sender timeout, 15-30 s, that every survivor
+        of a member killed as a sender spent before its retry). Every sender is refused without blame."""
+        for peer in self.sender_peer_ids:
+            if peer != self.peer_id:
+                await self._ban_sender(peer)
 
     async def _reduce_own_parts(self, peer_index: int) -> None:
         sender_index = self.sender_peer_ids.index(self.peer_id)
