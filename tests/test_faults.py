@@ -152,9 +152,18 @@ def test_donor_killed_while_serving_state_to_a_joiner(tmp_path, process_tag):
 
 @pytest.mark.timeout(420)
 def test_frozen_peer_mid_allreduce_is_timed_out_not_waited_for(tmp_path, process_tag):
+    """peer1 freezes (SIGSTOP: no FIN, no RST) as a reducer mid-serving in round 2. Its connections stay up, so the
+    survivors learn of it only when its parts' chunk timeout passes; then they ping the members they are still
+    connected to over their averagers' own connections, leave the one that does not answer out and run round 2
+    again among themselves (net/averaging/survive.py): no attempt lost (before, round 2's attempt failed on both)."""
     plan = ChaosPlan(faults={"peer1": "stall:allreduce:2"})
     summary = _run(tmp_path, peers=3, rounds=4, plan=plan, inner_steps=8)
     assert max(r["round"] for r in summary["rounds"] if "peer1" in r["global_params_sha256"]) <= 1
+    for name in ("peer0", "peer2"):
+        failed = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if r.get("event") == "round"
+                  and not r["committed"]]
+        assert failed == [], f"{name} lost an attempt: {[r.get('error') for r in failed]}"
+        assert "running it again among them" in (tmp_path / f"{name}.log").read_text()
 
 
 @pytest.mark.timeout(420)

@@ -17,8 +17,15 @@ so it is kept. If its reducer checks then fail only because members answer that 
 confirmed the same averages), so it joins the retry with its own contribution restored, like the others (a 12-peer
 swarm with a reducer killed mid-serving failed that round on all 11 survivors before). If its checks pass (it could
 not reach the members that lost parts, and a majority confirmed), it commits and takes part in no retry: the retry
-fails for lack of its parts, and the others repair from the round it committed. A stalled member (no FIN, no RST)
-stays connected: it is kept, and the round fails as before.
+fails for lack of its parts, and the others repair from the round it committed.
+
+A stalled member (frozen: no FIN, no RST) stays connected, and the attempt fails only when its parts' timeout passes
+(``averaging.next_chunk_timeout``). Each survivor then pings the members it is still connected to, over its own
+averager's connections (:meth:`Survivor.rpc_ping`, :data:`PING_S` at most): a frozen machine answers nothing (its
+p2pd is frozen with it), and the member is left out of the retry like a dead one. Only silence leaves a member out:
+an error is an answer, or our own network's failure, and leaves nobody out. An alive member too slow to answer within
+:data:`PING_S` is left out by some survivors and not others: their retries have different ids and fail, as the first
+attempt did.
 """
 
 from __future__ import annotations
@@ -27,14 +34,17 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from typing import Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 
 logger = logging.getLogger(__name__)
 
 SETTLE_S = 1.0  # how long a survivor lets the network show a death (closed connections) before it looks
+PING_S = 2.0  # how long a member still connected has to answer a survivor's ping (a frozen one never does)
 GROUP_WAIT_S = 10.0  # how long a part waits for its retry group to be registered by this member
 ABANDONED = "matchmaking abandoned"  # an attempt whose matchmaking the host ended: nothing was sent (seam.py)
 
@@ -66,6 +76,7 @@ class Survivor:
         than two are left)."""
         await asyncio.sleep(SETTLE_S)  # no event tells us a remote process died: its closed connections do
         connected = {info.peer_id for info in await self._p2p.list_peers()}
+        connected = await self._answering([p for p in group_info.peer_ids if p != self.peer_id and p in connected])
         keep = kept_members(group_info.peer_ids, self.peer_id, connected)
         if len(keep) == len(group_info.peer_ids) or len(keep) < 2:
             return None
@@ -73,6 +84,33 @@ class Survivor:
         retry = GroupInfo(retry_group_id(group_info.group_id, kept), tuple(kept),
                           tuple(group_info.gathered[i] for i in keep))
         return retry, keep
+
+    async def _answering(self, peers: Sequence) -> set:
+        """Those of ``peers`` that answer a ping within :data:`PING_S`, all at once; any error counts as an answer."""
+        async def ping(peer) -> None:
+            stream = await self.get_stub(self._p2p, peer, namespace=self.prefix).rpc_ping(
+                averaging_pb2.MessageFromLeader())
+            try:
+                await anext(stream)
+            finally:
+                await stream.aclose()
+
+        async def answers(peer) -> bool:
+            try:
+                await asyncio.wait_for(ping(peer), PING_S)
+            except asyncio.TimeoutError:
+                return False
+            except Exception as e:  # noqa: BLE001 - refused, or our own p2pd gone: not a frozen member either way
+                logger.debug(f"ping {peer}: {e!r}")
+            return True
+
+        answered = await asyncio.gather(*(answers(p) for p in peers))
+        return {p for p, ok in zip(peers, answered) if ok}
+
+    async def rpc_ping(self, request: averaging_pb2.MessageFromLeader,
+                       context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """A survivor asks whether we are frozen (above): any answer says no. A stream, as ``rpc_verify_parts``."""
+        yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
 
     @contextlib.asynccontextmanager
     async def _registered(self, group_info: GroupInfo):
