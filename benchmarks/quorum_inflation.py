@@ -17,7 +17,6 @@ group the roster announces); at 2ac93ba, before the change, none after the entri
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import signal
 import subprocess
@@ -41,21 +40,27 @@ class SybilEntries:
     """Runs in the attacker's DHT process: one signed roster entry per key, on the nodes nearest the roster key (also
     used by tests/attacks/roster_attacker.py)."""
 
-    def __init__(self, key: str, identities: list, round_: int, digest: str):
+    def __init__(self, key: str, identities: list, round_: int, digest: str, finished: bool = False):
         self.key, self.identities, self.round, self.digest = key, identities, round_, digest
+        self.finished = finished  # "finished the run" records (at round_) instead of roster entries
+
+    def _value(self, i: int, subkey: str) -> dict:
+        from p2p_diloco.net.consensus import PeerStatus
+
+        if self.finished:
+            return {"name": f"done{i}", "round": self.round}
+        return asdict(PeerStatus(name=f"s{i}", peer_id=subkey, round=self.round, digest=self.digest))
 
     async def __call__(self, _dht, node) -> int:
         from hivemind.dht.routing import DHTID
         from hivemind.utils.timed_storage import get_dht_time
 
-        from p2p_diloco.net.consensus import PeerStatus
         from p2p_diloco.net.security.identity import seal
 
         key_id, ser, expiration = DHTID.generate(source=self.key), node.protocol.serializer, get_dht_time() + ENTRY_TTL_S
         subkeys = [identity.peer_id_b58 for identity in self.identities]
-        sealed = [seal(identity, key_id.to_bytes(), ser.dumps(subkey),
-                       ser.dumps(asdict(PeerStatus(name=f"s{i}", peer_id=subkey, round=self.round, digest=self.digest))),
-                       expiration) for i, (identity, subkey) in enumerate(zip(self.identities, subkeys))]
+        sealed = [seal(identity, key_id.to_bytes(), ser.dumps(subkey), ser.dumps(self._value(i, subkey)), expiration)
+                  for i, (identity, subkey) in enumerate(zip(self.identities, subkeys))]
         nearest = await node.find_nearest_nodes([key_id], exclude_self=True)
         stored = 0
         for peer in nearest[key_id].values():

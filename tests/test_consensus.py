@@ -210,23 +210,29 @@ def test_a_lone_peer_ahead_is_followed_when_nobody_contradicts_it():
     assert target.round == 5
 
 
-def test_the_run_is_over_for_stragglers_once_finishers_outnumber_them():
-    """16 peers, run.rounds 4: 12 committed round 4 and left, 4 missed it. Committing their own round 4 among
-    themselves would fork the run's last θ_global: they stop."""
+def test_the_run_is_over_for_stragglers_once_most_of_their_group_finished():
+    """16 peers, run.rounds 4: 12 committed round 4 and left, 3 more missed it (all 16 committed round 3 together).
+    Committing their own round 4 among themselves would fork the run's last θ_global: they stop."""
     from p2p_diloco.net.consensus import finished_without
 
     finishers = [_s(f"f{i:02d}", 4, "x", leaving=True) for i in range(12)]
     stragglers = [_s(f"s{i}", 3, "w") for i in range(3)]
-    assert finished_without(4, finishers + stragglers, []) == [f"f{i:02d}" for i in range(12)]
+    group = [s.peer_id for s in finishers + stragglers]  # round 3's group, this straggler left out
+    assert finished_without(4, finishers + stragglers, [], group) == [f"f{i:02d}" for i in range(12)]
     # the entries of some finishers expired: the finished list still names them
-    assert len(finished_without(4, finishers[:2] + stragglers, [(f"f{i:02d}", 4) for i in range(12)])) == 12
-    # one finisher (or a stranger's entry) does not stop a run that more peers still train
-    assert finished_without(4, finishers[:1] + stragglers, []) == []
-    assert finished_without(4, stragglers, [("evil", 4)]) == []
+    recorded = [(f"id-f{i:02d}", f"f{i:02d}", 4) for i in range(12)]
+    assert len(finished_without(4, finishers[:2] + stragglers, recorded, group)) == 12
+    # one finisher does not stop a run that more of the group still train; nor do strangers' records, however many
+    assert finished_without(4, finishers[:1] + stragglers, [], group) == []
+    strangers = [(f"id-x{i}", f"x{i}", 4) for i in range(100)]
+    assert finished_without(4, stragglers, strangers, group) == []
+    assert finished_without(4, stragglers, strangers) == []  # at round 0 (no group yet) neither
+    # three stragglers and three finishers of a group of six (the attackers left out by the honest): over
+    assert finished_without(4, finishers[:3] + stragglers[:2], [], group[:3] + group[12:14]) == ["f00", "f01", "f02"]
     # peers that left before the end are not finishers; once every other peer left, one finisher is enough
     assert finished_without(4, [_s("early", 2, "v", leaving=True)], []) == []
     assert finished_without(4, [_s("early", 2, "v", leaving=True), finishers[0]], []) == ["f00"]
-    assert finished_without(4, [], [("f00", 4)]) == ["f00"]
+    assert finished_without(4, [], [("id-f00", "f00", 4)]) == ["f00"]
 
 
 
@@ -292,14 +298,16 @@ def test_stragglers_read_the_finished_list_after_the_finishers_entries_expired(m
     from p2p_diloco.config import load_config
     from p2p_diloco.net import membership as membership_module
 
-    finishers = [(f"f{i}", 4) for i in range(9)]
+    finishers = [(f"id-f{i}", f"f{i}", 4) for i in range(9)]
     monkeypatch.setattr(membership_module, "read_finished", lambda dht, prefix, timeout: finishers)
     cfg = load_config(overrides={"run.rounds": "4"})
+    quorum = sorted([f"id-f{i}" for i in range(9)] + [f"id-s{i}" for i in range(4)])  # round 3's group, us in it
     me = membership_module.Membership(cfg, None, SimpleNamespace(peer_id="id-s0"), "run", "s0",
-                                      SimpleNamespace(round=3, digest="w"), "fp", None, threading.Event())
+                                      SimpleNamespace(round=3, digest="w", quorum=quorum), "fp", None,
+                                      threading.Event())
     stragglers = [_s(f"s{i}", 3, "w") for i in range(1, 4)]
     assert me.run_is_over(stragglers)
-    finishers = finishers[:3]  # three finished, four still train: not over
+    finishers = finishers[:3]  # three of the group finished, nine did not: not over
     assert not me.run_is_over(stragglers)
 
 

@@ -84,7 +84,7 @@ def test_the_subkey_must_be_a_peer_id_and_the_value_a_dictionary():
 def test_names_lose_control_characters_and_are_bounded():
     status = check("roster", A.peer_id_b58, entry(name="evil\x1b[2J\x07\u202eeman" + "n" * 100))
     assert status.name.startswith("evil[2Jeman") and len(status.name) == records.MAX_NAME
-    assert check("finished", A.peer_id_b58, {"name": "bob\r\n", "round": 5}) == ("bob", 5)
+    assert check("finished", A.peer_id_b58, {"name": "bob\r\n", "round": 5}) == (A.peer_id_b58, "bob", 5)
 
 
 @pytest.mark.timeout(10)

@@ -253,22 +253,30 @@ class Leaders:
             self.passed.add(leader)
 
 
-def finished_without(rounds: int, others: Sequence[PeerStatus], recorded: Sequence[tuple[str, int]]) -> list[str]:
+def finished_without(rounds: int, others: Sequence[PeerStatus], recorded: Sequence[tuple[str, str, int]],
+                     group: Sequence[str] = ()) -> list[str]:
     """The peers that finished the run (left after committing ``rounds``), by name, if the run is over for a peer
-    that has not; else []. ``others``: the roster without this peer; ``recorded``: (name, round) of peers that left
-    (their roster entries may have expired).
+    that has not; else []. ``others``: the roster without this peer; ``recorded``: (peer id, name, round) of peers
+    that left (their roster entries may have expired); ``group``: the peer ids of the group that committed the
+    θ_global this peer holds, itself left out ([] at round 0).
 
-    The run is over when every other peer has left after the last round, and also when the peers that finished
-    it outnumber the ones still training (this peer included): those missed the last round(s), and the run's final
-    θ_global is the one the finishers committed. Committing their own last round would fork it (a group that meets
-    after the others left sees only its own members, and once it forgets the run's size it finds a quorum among
-    them); the finishers stopped serving their state, so the stragglers stop too, saying so. One finished entry
-    cannot stop a run of more peers alone."""
-    finished = sorted({s.name for s in others if s.leaving and s.round >= rounds}
-                      | {name for name, round_ in recorded if round_ >= rounds})
-    training = len({s.peer_id for s in others if not s.leaving}) + 1
-    if finished and (training == 1 or len(finished) > training):
-        return finished
+    The run is over when every other peer in the roster has left and one of them finished it, and also when more
+    than half of the group that committed our θ_global finished it: they committed the run's last round(s) without
+    us, and its final θ_global is theirs. Committing our own last round would fork it (a group that meets after the
+    others left sees only its own members, and once it forgets the run's size it finds a quorum among them); the
+    finishers stopped serving their state, so the stragglers stop too, saying so. Only that group's members count:
+    anyone can write finished records under fresh keys, and a count of all of them (the rule until stop 40) let a
+    stranger stop every peer, or three stragglers ignore three finishers; a member of our group is a peer whose
+    contribution is in the θ_global we hold."""
+    finishers = {s.peer_id: s.name for s in others if s.leaving and s.round >= rounds}
+    for peer, name, round_ in recorded:
+        if round_ >= rounds:
+            finishers.setdefault(peer, name)
+    members = set(group)
+    ours = members.intersection(finishers)
+    training = any(not s.leaving for s in others)
+    if finishers and (not training or len(ours) > len(members) / 2):
+        return sorted(set(finishers.values()))
     return []
 
 

@@ -157,8 +157,8 @@ def publish_finished(dht: hivemind.DHT, prefix: str, peer_id: str, name: str, ro
         return False
 
 
-def read_finished(dht: hivemind.DHT, prefix: str, timeout: float) -> list[tuple[str, int]]:
-    """(name, round) of every peer that left after training the whole run; [] if none or no answer."""
+def read_finished(dht: hivemind.DHT, prefix: str, timeout: float) -> list[tuple[str, str, int]]:
+    """(peer id, name, round) of every peer that left after training the whole run; [] if none or no answer."""
     return valid_entries("finished", _read_subkeys(dht, finished_key(prefix), timeout, "finished peers"), _value)
 
 

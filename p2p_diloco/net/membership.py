@@ -295,7 +295,7 @@ class Membership(Adoption):
 
     def run_is_over(self, roster: list[PeerStatus]) -> bool:
         """True if the run finished without us (:func:`consensus.finished_without`): every other peer left after
-        training all of ``run.rounds``, or more of them did than are still training. The finished list is read
+        training all of ``run.rounds``, or more than half of the group that committed our θ_global did. The finished list is read
         every round (one DHT read): the finishers' roster entries expire ``averaging.roster_ttl`` after they left,
         while a straggler's failing attempts can take longer than that."""
         rounds = self.cfg.run.rounds
@@ -304,7 +304,8 @@ class Membership(Adoption):
         others = [s for s in roster if s.peer_id != self.peer_id]
         # those that left after the last round: in the roster, or (entries expired) in the finished list
         recorded = read_finished(self.dht, self.prefix, self.cfg.averaging.request_timeout)
-        finished = finished_without(rounds, others, recorded)
+        group = [p for p in getattr(self.state, "quorum", ()) if p != self.peer_id]
+        finished = finished_without(rounds, others, recorded, group)
         if finished:
             self.log.warning(f"the run finished without us: {len(finished)} peer(s) ({', '.join(finished[:8])}"
                              f"{', …' if len(finished) > 8 else ''}) left after round {rounds}; stopping at round "

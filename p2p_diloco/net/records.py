@@ -161,11 +161,11 @@ def _raise(reason: str):
     raise RecordError(reason)
 
 
-def finished_entry(subkey: Any, value: Any) -> tuple[str, int]:
-    """(name, round) from a "finished the run" record."""
-    author(subkey)
+def finished_entry(subkey: Any, value: Any) -> tuple[str, str, int]:
+    """(peer id, name, round) from a "finished the run" record."""
+    peer = author(subkey)
     v = _mapping(value)
-    return clean_text(text(v.get("name"), "name", 4 * MAX_NAME)), integer(v.get("round"), "round", 0, MAX_ROUND)
+    return peer, clean_text(text(v.get("name"), "name", 4 * MAX_NAME)), integer(v.get("round"), "round", 0, MAX_ROUND)
 
 
 def run_index_entry(subkey: Any, value: Any) -> str:

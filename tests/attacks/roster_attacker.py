@@ -11,7 +11,9 @@ It finds the run's prefix in the run index, then, until STOP_FILE exists, stores
   * ``inflate``: once the run committed a round, well-formed entries under ``--inflate`` generated keys at the run's
     latest round and digest, following it below ``--inflate-below`` (benchmarks/quorum_inflation.py: before the
     quorum was counted over the group that committed the round, they stalled the run; the run's last round still
-    counts the roster, where they make the peers stop one round short).
+    counts the roster, where they make the peers stop one round short);
+  * ``finished``: "finished the run" records at ``--finish-round`` under 8 other generated keys (before stop 40 every
+    peer counted them against the peers still training, and stopped: `the run finished without us`).
 The report names the attacker's peer ids and how many stores each DHT confirmed.
 """
 
@@ -35,6 +37,7 @@ def main() -> int:
         p.add_argument(name, required=True)
     p.add_argument("--inflate", type=int, default=4)
     p.add_argument("--inflate-below", type=int, default=1 << 30, help="inflate rounds below this one only")
+    p.add_argument("--finish-round", type=int, default=0, help="claim 8 peers finished this round (0: no claim)")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout this script is in, not another
 
@@ -46,11 +49,12 @@ def main() -> int:
     from p2p_diloco.config import NetworkConfig
     from p2p_diloco.net.consensus import PeerStatus
     from p2p_diloco.net.dht import start_dht
-    from p2p_diloco.net.keys import read_run_index, roster_key
+    from p2p_diloco.net.keys import finished_key, read_run_index, roster_key
 
     net = NetworkConfig(initial_peers=[args.bootstrap], host_maddrs=[LOOPBACK], join_timeout=20.0)
     first, second = start_dht(net), start_dht(net)
     sybils = [Identity.generate() for _ in range(args.inflate)]
+    finishers = [Identity.generate() for _ in range(8 if args.finish_round else 0)]
     report = {"peer_ids": [str(first.peer_id), str(second.peer_id)], "stores": {}, "attempts": {}, "prefix": None,
               "inflated": [], "sybil_ids": [identity.peer_id_b58 for identity in sybils]}
     try:
@@ -77,6 +81,9 @@ def main() -> int:
                     ok = dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + 60)
                     report["stores"][name] = report["stores"].get(name, 0) + int(bool(ok))  # some node took it
                     report["attempts"][name] = report["attempts"].get(name, 0) + 1
+                if finishers:
+                    done = SybilEntries(finished_key(report["prefix"]), finishers, args.finish_round, "", finished=True)
+                    report["stores"]["finished"] = report["stores"].get("finished", 0) + second.run_coroutine(done)
             latest = latest_round(first, key, ours) if args.inflate else None
             if latest is not None and 1 <= latest[0] < args.inflate_below and latest[0] not in report["inflated"]:
                 if second.run_coroutine(SybilEntries(key, sybils, *latest)):  # some node took them

@@ -4,7 +4,8 @@ the string "9", one under a subkey that is no peer id, one well-formed entry cla
 committed a round, entries under 4 generated keys following the run's round (not at its last round). Before records
 were validated, the first made every peer exit with a TypeError within seconds; before the quorum was counted over
 the group that committed the round before (net/averaging/contribution.py count_quorum), the last stalled the run
-(no group held more than half of its members' roster views). Now every honest peer drops the bad ones (counted,
+(no group held more than half of its members' roster views); and "finished the run" records under 8 more generated
+keys, which before stop 40 made every peer stop at once (`the run finished without us`). Now every honest peer drops the bad ones (counted,
 logged), stays alive, commits every round on one θ_global, and never downloads the attacker's state."""
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def test_bad_roster_entries_from_outside_neither_crash_nor_lead_the_run(tmp_path
             log = open(tmp_path / "attacker.log", "w")
             attacker.append(subprocess.Popen(
                 [sys.executable, str(ATTACKER), "--bootstrap", line.split()[-1], "--run-id", "attacked",
-                 "--out", str(report), "--stop", str(stop), "--inflate-below", str(ROUNDS - 1)],
+                 "--out", str(report), "--stop", str(stop), "--inflate-below", str(ROUNDS - 1),
+                 "--finish-round", str(ROUNDS)],
                 stdout=log, stderr=subprocess.STDOUT))
 
     code = None
@@ -62,6 +64,7 @@ def test_bad_roster_entries_from_outside_neither_crash_nor_lead_the_run(tmp_path
         # rounds 2 and 3 were formed with the strangers' entries at their round (the attacker polls the roster 3
         # times a second); not the last round, which still counts the roster (net/consensus.py quorum_group)
         assert attack["inflated"], attack
+        assert attack["stores"].get("finished"), attack  # 8 strangers claimed they finished the run
         assert code == 0, "a peer failed or the peers' θ_global differ"
         summary = json.loads((tmp_path / "summary.json").read_text())
         assert len(summary["rounds"]) == ROUNDS
@@ -78,6 +81,7 @@ def test_bad_roster_entries_from_outside_neither_crash_nor_lead_the_run(tmp_path
             assert not any(a in line for a in attackers for line in log.splitlines() if "download" in line), \
                 f"peer{i} tried to download from the attacker"
             assert "10000000" not in log, f"peer{i} took the claim of round 10^9 for the run's"
+            assert "finished without us" not in log, f"peer{i} took the strangers' finished records for the run's end"
         seen = "\n".join((tmp_path / f"peer{i}.log").read_text() for i in range(PEERS))
         assert "round is not an integer" in seen or "refused on store" in seen, "no peer met the bad entries"
     except AssertionError as e:
