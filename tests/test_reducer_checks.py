@@ -188,7 +188,10 @@ def _worker(index, initial_peers, setups, results, barrier):
     """One member: for each setup (verify_parts, attacker index or None) average once; report (setup, index, ok,
     error, sha256 of the buffers after the all-reduce). The members start each setup together (``barrier``): the
     equivocator's own checks can wait out the all-reduce's deadline (30 s) for the digests of a member that already
-    closed its averager, and the others, 4 s into the next setup's matchmaking by then, found no group (CI, once)."""
+    closed its averager, and the others, 4 s into the next setup's matchmaking by then, found no group (CI, once).
+    Nobody closes its averager before every member is done with the setup (a peer's averager lives on after a
+    round): a member that named the equivocator from a faster member's answer and closed at once left the other's
+    call to it unanswered, and the other then waited out the deadline for its digests per reducer (stop 40, once)."""
     torch.set_num_threads(1)
     from p2p_diloco.net.averaging import Averager, Contribution
     from p2p_diloco.net.dht import start_dht
@@ -209,6 +212,7 @@ def _worker(index, initial_peers, setups, results, barrier):
                 with averager.pseudo_grads() as buffers:
                     digest = hashlib.sha256(b"".join(b.numpy().tobytes() for b in buffers)).hexdigest()
                 results.put((i, index, result.ok, result.error, digest))
+                barrier.wait(timeout=90)  # a peer's averager outlives its round: late digest calls get answers
             finally:
                 averager.close()
     finally:
@@ -300,11 +304,15 @@ def test_peers_never_commit_an_equivocating_reducers_round_and_agree_once_it_is_
             assert swarm.peers[name].proc.wait(timeout=120) == 0
     finally:
         swarm.close()
-    honest = {n: [r for r in _rounds(tmp_path, n) if r["committed"]] for n in ("peer0", "peer1")}
-    assert [r["round"] for r in honest["peer0"]] == [r["round"] for r in honest["peer1"]] == [1, 2, 3]
-    for r0, r1 in zip(honest["peer0"], honest["peer1"]):
-        assert r0["global_params_sha256"] == r1["global_params_sha256"], f"round {r0['round']}: θ_global differs"
-        if r0["round"] >= 2:
+    honest = {n: {r["round"]: r for r in _rounds(tmp_path, n) if r["committed"]} for n in ("peer0", "peer1")}
+    # rounds 2 and 3 (the attack's) on both; round 1 on at least one of them: a peer that a loaded machine makes late
+    # for round 1's group repairs from it (seen in CI: peer1 committed rounds 2 and 3 only), which is not this test's
+    assert {2, 3} <= set(honest["peer0"]) & set(honest["peer1"]), {n: sorted(r) for n, r in honest.items()}
+    assert 1 in set(honest["peer0"]) | set(honest["peer1"]), {n: sorted(r) for n, r in honest.items()}
+    for round_ in sorted(set(honest["peer0"]) & set(honest["peer1"])):
+        r0, r1 = honest["peer0"][round_], honest["peer1"][round_]
+        assert r0["global_params_sha256"] == r1["global_params_sha256"], f"round {round_}: θ_global differs"
+        if round_ >= 2:
             assert sorted(r0["outer/peers"]) == ["peer0", "peer1"], "a round with the attacker was committed"
     assert not any(r["committed"] and r["round"] >= 2 for r in _rounds(tmp_path, "peer2"))
 
