@@ -35,16 +35,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import demo_config, table
+from common import table
 
+from p2p_diloco.config import load_config
 from p2p_diloco.ops.metrics import read_jsonl
-from p2p_diloco.ops.swarm import run_swarm, write_peer_config
+from p2p_diloco.ops.swarm import demo_defaults, run_swarm, write_peer_config
 
 
 def one_run(peers: int, rounds: int, inner_steps: int, timeout: float, kill_seed=None, keep=False) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"scale-{peers}-"))
     begun = time.monotonic()
-    rc = run_swarm(peers, rounds, inner_steps, str(run_dir), write_peer_config(run_dir, demo_config()),
+    cfg = load_config(defaults=demo_defaults(peers))  # as `p2p-diloco swarm --peers N` (slower timings past 16)
+    rc = run_swarm(peers, rounds, inner_steps, str(run_dir), write_peer_config(run_dir, cfg),
                    timeout=timeout, echo=lambda s: None, kill_each_round=kill_seed)
     wall = time.monotonic() - begun
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -195,7 +195,7 @@ def _cmd_doctor(args, overrides: dict[str, str]) -> int:
 
 
 def _cmd_swarm(args, overrides: dict[str, str]) -> int:
-    from p2p_diloco.ops.swarm import DEMO_DEFAULTS, SET_BY_SWARM, run_swarm, write_peer_config
+    from p2p_diloco.ops.swarm import SET_BY_SWARM, demo_defaults, run_swarm, write_peer_config
 
     for key, flag in SET_BY_SWARM.items():  # per-peer keys
         if key in overrides:
@@ -213,7 +213,7 @@ def _cmd_swarm(args, overrides: dict[str, str]) -> int:
                               f"round from round 2 to {args.rounds - 1}), got --peers {args.peers} --rounds {args.rounds}")
     slowdowns = _slowdowns(args.slowdown, args.peers)
     # validate everything before starting a single process; peers then read one effective config file
-    cfg = load_config(args.config, overrides, defaults=DEMO_DEFAULTS)
+    cfg = load_config(args.config, overrides, defaults=demo_defaults(args.peers))
     if cfg.metrics.port:
         raise ConfigError("metrics.port: the swarm's peers cannot share one port: run them with p2p-diloco peer, "
                           "each with its own --metrics.port")

@@ -121,7 +121,8 @@ def build_parser(commands, version: str) -> argparse.ArgumentParser:
 
     s = command("swarm", "Run a bootstrap node and N peers on 127.0.0.1 (the demo, and the shape of our tests).",
                 None, DEMO_DEFAULTS, exclude=tuple(SET_BY_SWARM))
-    s.add_argument("--peers", type=int, default=3, help="number of peers (default 3)")
+    s.add_argument("--peers", type=int, default=3, help="number of peers (default 3; beyond 16, the defaults of "
+                   "averaging.roster_ttl, request_timeout and matchmaking_time become 30, 10 and 30 s)")
     s.add_argument("--rounds", type=int, default=6, help="rounds to train (default 6)")
     s.add_argument("--inner-steps", type=int, default=30, help="H, inner steps per round (default 30)")
     s.add_argument("--run-dir", default="runs/swarm", metavar="DIR",

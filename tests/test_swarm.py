@@ -171,3 +171,17 @@ def test_the_table_counts_the_peers_in_each_round_not_every_process_started(tmp_
     rounds = {3: {"peer0": record, "peer1": record}, 4: {n: record for n in held if n != "peer2"}}
     RoundTable(rows.append).update(rounds, {n: float("inf") for n in held}, final=True, held=held_rounds(peers))
     assert "on 2 of 3 peers" in rows[1] and "on 3 of 3 peers" in rows[2], rows
+
+
+def test_a_large_local_swarm_gets_slower_network_timings_unless_the_user_sets_them():
+    """At 32 peers on 2 cores the demo's loopback timings overloaded the machine's DHT (round 1 never formed); past
+    LARGE_SWARM peers the swarm's defaults are the slower ones it committed every round with. Flags still win."""
+    from p2p_diloco.config import load_config
+    from p2p_diloco.ops.swarm import DEMO_DEFAULTS, LARGE_SWARM, demo_defaults
+
+    assert demo_defaults(LARGE_SWARM) == DEMO_DEFAULTS
+    big = load_config(defaults=demo_defaults(32))
+    assert (big.averaging.roster_ttl, big.averaging.request_timeout, big.averaging.matchmaking_time) == (30, 10, 30)
+    assert big.model.name == "tiny"  # the rest of the demo stays
+    mine = load_config(overrides={"averaging.roster_ttl": "12"}, defaults=demo_defaults(32))
+    assert mine.averaging.roster_ttl == 12

@@ -24,7 +24,7 @@ from p2p_diloco.ops.procs import stop_groups
 from p2p_diloco.ops.swarm_rounds import (RoundTable, collect_rounds, hashes_agree, held_rounds, progress,
                                          write_summary)
 
-__all__ = ["DEMO_DEFAULTS", "LocalSwarm", "collect_rounds", "run_swarm", "write_peer_config", "write_summary"]
+__all__ = ["DEMO_DEFAULTS", "LocalSwarm", "demo_defaults", "collect_rounds", "run_swarm", "write_peer_config", "write_summary"]
 
 # The demo: the tiny model on the embedded corpus, tuned to learn visibly within a few minutes on 2 CPU cores.
 DEMO_DEFAULTS = {
@@ -40,6 +40,21 @@ DEMO_DEFAULTS = {
     "averaging.roster_ttl": 6.0,  # loopback: a heartbeat every 2 s is cheap, and a dead peer stops counting soon
     "run.sample_prompt": "Return the ",  # the embedded corpus is Python's docstrings: many of them start like this
 }
+# Beyond LARGE_SWARM peers on one machine the demo's loopback timings (a heartbeat every 2 s, 3 s requests, a 10 s
+# window) overload it: at 32 peers on 2 cores (load 40-68) roster reads timed out in part, peers named different
+# leaders and round 1 never formed in 10 minutes (benchmarks/scale.md). With the library's roster TTL, 10 s requests
+# and a 30 s window, the same 32 committed every round on all 32. A user's config or flags still win.
+LARGE_SWARM = 16
+LARGE_SWARM_DEFAULTS = {"averaging.roster_ttl": 30.0, "averaging.request_timeout": 10.0,
+                        "averaging.matchmaking_time": 30.0}
+
+
+def demo_defaults(peers: int) -> dict:
+    """The demo's defaults for a local swarm of ``peers``: :data:`DEMO_DEFAULTS`, with slower network timings beyond
+    :data:`LARGE_SWARM` peers."""
+    return {**DEMO_DEFAULTS, **(LARGE_SWARM_DEFAULTS if peers > LARGE_SWARM else {})}
+
+
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 # keys the swarm sets for each peer, and the swarm flag (if any) to use instead
 SET_BY_SWARM = {"run.rounds": "--rounds", "diloco.inner_steps": "--inner-steps",
