@@ -295,9 +295,9 @@ class Membership(Adoption):
 
     def run_is_over(self, roster: list[PeerStatus]) -> bool:
         """True if the run finished without us (:func:`consensus.finished_without`): every other peer left after
-        training all of ``run.rounds``, or more than half of the group that committed our θ_global did. The finished list is read
-        every round (one DHT read): the finishers' roster entries expire ``averaging.roster_ttl`` after they left,
-        while a straggler's failing attempts can take longer than that."""
+        training all of ``run.rounds``, or more than half of the group that committed our θ_global did. The
+        finished list is read every round (one DHT read): the finishers' roster entries expire
+        ``averaging.roster_ttl`` after they left, while a straggler's failing attempts can take longer than that."""
         rounds = self.cfg.run.rounds
         if rounds is None:
             return False

@@ -24,7 +24,8 @@ from p2p_diloco.ops.procs import stop_groups
 from p2p_diloco.ops.swarm_rounds import (RoundTable, collect_rounds, hashes_agree, held_rounds, progress,
                                          write_summary)
 
-__all__ = ["DEMO_DEFAULTS", "LocalSwarm", "demo_defaults", "collect_rounds", "run_swarm", "write_peer_config", "write_summary"]
+__all__ = ["DEMO_DEFAULTS", "LocalSwarm", "collect_rounds", "demo_defaults", "run_swarm", "write_peer_config",
+           "write_summary"]
 
 # The demo: the tiny model on the embedded corpus, tuned to learn visibly within a few minutes on 2 CPU cores.
 DEMO_DEFAULTS = {
