@@ -334,3 +334,39 @@ def test_supervise_bootstrap_whose_restarts_keep_failing_exits_3_with_one_line(t
         assert group_members(swarm.procs["boot"].pid) == []  # its helpers went with it
     finally:
         swarm.stop()
+
+
+class _Sleep:
+    """A coroutine for the DHT's process (picklable): sleeps, then answers."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    async def __call__(self, dht, node) -> float:
+        import asyncio
+
+        await asyncio.sleep(self.seconds)
+        return self.seconds
+
+
+@pytest.mark.timeout(60)
+def test_a_dht_coroutine_that_ends_after_the_host_failed_its_call_logs_no_task_error(capfd):
+    """When a peer's p2pd dies, the host fails every call still waiting on the DHT (failfast.py, ``fail_all``), while
+    the DHT's process may still finish one (a ping). hivemind then set the failed future again: InvalidStateError
+    twice, logged as "Task exception was never retrieved" (CI, test_supervise's p2pd test, twice)."""
+    from p2p_diloco.config import NetworkConfig
+    from p2p_diloco.net.dht import start_dht
+    from p2p_diloco.net.failfast import HelperDied
+
+    dht = start_dht(NetworkConfig(host_maddrs=[LOOPBACK]))
+    try:
+        first = dht.run_coroutine(_Sleep(1.0), return_future=True)
+        dht._outer_pipe.fail_all("the test failed the waiting calls")  # as mark_down does, the DHT left up
+        with pytest.raises(HelperDied):
+            first.result(timeout=5)
+        # the DHT's loop ends the first coroutine before this one: by its answer, the first one has set its future
+        assert dht.run_coroutine(_Sleep(1.5), return_future=True).result(timeout=20) == 1.5
+    finally:
+        dht.shutdown()
+    err = capfd.readouterr().err
+    assert "never retrieved" not in err and "InvalidStateError" not in err, err[-3000:]
