@@ -27,7 +27,7 @@ D, E = "ab" * 32, "cd" * 32
 
 def _reference(round_, digest, group, records, alive, prior, me, last_round):
     """The rule as the docs state it, written plainly: at least one and more than half of the group's members alive
-    or signed (any digest of the round) signed exactly (round, digest); and, one round past ours with our round's
+    or signed (any digest of the round), ourselves left out unless we signed, signed exactly (round, digest); and, one round past ours with our round's
     group known (not the run's last round), more than half of that group's members alive or signed, ourselves left
     out, are among the signers (no such member: nothing to check)."""
     if round_ == 0:
@@ -35,7 +35,7 @@ def _reference(round_, digest, group, records, alive, prior, me, last_round):
     signed_any = [p for p, commits in records.items() if any(r == round_ and d == digest for r, d in commits)]
     committed_any = [p for p, commits in records.items() if any(r == round_ for r, _ in commits)]
     counts = lambda p: alive is None or p in alive or p in committed_any
-    voters = [p for p in group if counts(p)]
+    voters = [p for p in group if counts(p) and (p != me or p in signed_any)]
     signed = [p for p in voters if p in signed_any]
     if not group or not signed or not len(signed) > len(voters) / 2:
         return False
@@ -179,3 +179,15 @@ def test_a_commit_record_in_another_members_name_is_refused_on_store():
     assert not node.validate(record(member.peer_id_b58, mine, signer=stranger)), "signed by a stranger"
     assert not node.validate(record(member.peer_id_b58, mine)), "unsigned"
     assert not node.validate(record(stranger.peer_id_b58, mine, signer=stranger)), "the stranger's naming the member"
+
+
+def test_a_member_of_a_pair_that_missed_the_commit_repairs_from_its_partner():
+    """CI, a private run of two: peer0 committed round 96, peer1 (in that group, its own commit lost) did not. Counted
+    as an alive member that did not sign, peer1 refused peer0's state (1 of 2 signed) on every repair, and neither
+    could average again. We know we did not commit it: we are left out of the count."""
+    ours, theirs = "QmB", "QmA"
+    records = {theirs: [(95, E), (96, D)], ours: [(95, E)]}
+    verdict = certify(96, D, [theirs, ours], records, {theirs, ours}, (95, [theirs, ours]), ours)
+    assert verdict.ok and verdict.chained, verdict
+    # a third party (not in the group) still counts the unsigned member against it
+    assert not certify(96, D, [theirs, ours], records, {theirs, ours}, None, "QmC").ok

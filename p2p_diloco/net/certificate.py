@@ -63,8 +63,10 @@ def certify(round_: int, digest: str, group: Collection[str], records: Mapping[s
     ``alive``: the peer ids we see alive (live roster entries that announce no leave; None: no view, everyone
     counts). A member that died before its record was stored (killed between its commit and the store) can sign
     nothing, and is not counted against the state: more than half of the group's members **alive or signed** (a
-    commit of this round, whatever its digest) must have signed it, and at least one. (A group of two whose other
-    member died before the checks commits alone, by design: its certificate is its own signature.)
+    commit of this round, whatever its digest) must have signed it, and at least one; ourselves (``me``) left out
+    when the group names us and we did not sign (we know we did not commit it: a member of a pair that lost its
+    round while the other committed it could never repair otherwise). (A group of two whose other member died before
+    the checks commits alone, by design: its certificate is its own signature.)
 
     ``prior``: (our round, the group that committed it). Used only when ``round_`` is our round + 1 and we know that
     group; not for the run's last round (``last_round``), whose group commits by the roster rule (net/consensus.py
@@ -79,7 +81,8 @@ def certify(round_: int, digest: str, group: Collection[str], records: Mapping[s
     signing = signers(round_, digest, records)
     committed = {peer for peer, commits in records.items() if any(c[0] == round_ for c in commits)}  # any digest
     counted = (lambda ids: set(ids)) if alive is None else (lambda ids: set(ids) & (set(alive) | committed))
-    signed, voters = signing & group, counted(group)
+    signed = signing & group
+    voters = counted(group) - ({me} - signing)  # a member that did not sign it was us: we know we did not commit it
     if not signed or 2 * len(signed) <= len(voters):
         return Verdict(False, len(signed), len(group), False,
                        f"no commit certificate: {len(signed)} of the {len(voters)} peers of its group alive or "
