@@ -235,6 +235,20 @@ def test_big_models_benchmark_smoke_run_on_the_cpu(tmp_path):
     assert "| tiny |" in run.stdout and "peer / reference" in run.stdout
 
 
+@pytest.mark.timeout(120)
+def test_big_models_ab_benchmark_smoke_run_on_the_cpu(tmp_path):
+    """benchmarks/big_ab.py's code path: both loops resident, alternating timed blocks, the balanced ratio."""
+    script = Path(__file__).parent.parent / "benchmarks" / "big_ab.py"
+    out = tmp_path / "ab.json"
+    run = subprocess.run([sys.executable, str(script), "--smoke", "--json", str(out)], capture_output=True,
+                         text=True, timeout=100)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert len(row["tokens_per_s"]["peer"]) == len(row["tokens_per_s"]["reference"]) == 2
+    assert row["balanced_ratios"] == [pytest.approx((row["ratios"][0] * row["ratios"][1]) ** 0.5)]
+    assert 0.2 < row["median_balanced_ratio"] < 5  # both loops ran the same work on the same machine
+
+
 @pytest.mark.timeout(300)
 def test_memory_loss_benchmark_smoke_run_on_the_cpu(tmp_path):
     """benchmarks/memory_loss.py's code path: offload trains to the same held-out loss as fp32 AdamW on the CPU (the
