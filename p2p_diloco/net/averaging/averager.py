@@ -59,6 +59,8 @@ from p2p_diloco.net.averaging.contribution import Contribution, choose_participa
 
 logger = logging.getLogger(__name__)
 
+VERDICTS_S = 3.0  # the most a round failed on a refusal waits for our reducer to judge the senders it is screening
+
 
 class NoQuorum(AllreduceException):
     """The group holds at most half of the run's peers at its round (net/consensus.py has_quorum): it does not
@@ -255,6 +257,7 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
             if not runner.malformed:
                 raise
         if runner.malformed:
+            await runner.verdicts(VERDICTS_S)  # our reducer's own verdicts on senders still being screened
             raise MalformedRound({str(p): why for p, why in runner.malformed.items()})
         if runner.failed_reducers or runner.tensor_part_container.failed_size:
             raise AllreduceException(f"lost parts of reducer(s) {sorted(map(str, runner.failed_reducers))}")
