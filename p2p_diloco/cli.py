@@ -154,6 +154,10 @@ def _cmd_peer(args, overrides: dict[str, str]) -> int:
     if args.nproc_per_node is not None:
         if args.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node: must be >= 1, got {args.nproc_per_node}")
+        if args.nproc_per_node > 1 and cfg.inner.shard:
+            from p2p_diloco.train.shard import check_shardable
+
+            check_shardable(cfg)  # before torchrun: one line and exit 2, not K failed ranks
         command = ranks.torchrun_argv(args.nproc_per_node, args.argv)
         os.execv(command[0], command)
     rank = ranks.rank()

@@ -112,7 +112,8 @@ class Peer:
         self._ready = True  # our state is this run_dir's: close() may save it
         origin = f" from {cfg.model.init_from}" if cfg.model.init_from else ""
         self.log.info(f"model {count_parameters(self.model) / 1e6:.2f}M params{origin}, fingerprint "
-                      f"{self.fingerprint}, device {self.device} x {self.replica.world} process(es), "
+                      f"{self.fingerprint}, device {self.device} x {self.replica.world} process(es)"
+                      f"{', sharded' if self.replica.shards is not None else ''}, "
                       f"{'resumed at' if resumed else 'starting at'} round {self.round}")
         if not resumed:
             eval_loss = self._evaluate()
@@ -328,7 +329,7 @@ class Peer:
     def _evaluate(self) -> float:
         """Held-out loss of θ_global."""
         with self.exchange.global_in_model():
-            return evaluate(self.model, self.data.eval_batches, self.device)
+            return evaluate(self.model, self.data.eval_batches, self.replica.eval_device)
 
     # ------------------------------------------------------------------------------------------------ close
     def close(self) -> None:

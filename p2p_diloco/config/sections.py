@@ -92,6 +92,10 @@ class InnerConfig:
                        "parameters and the activations only (a 3B model on a 24 GB card; 16 bytes per parameter of "
                        "host memory, 10 with 8-bit moments). Slower steps: raise inner.grad_accum to spread the update. A "
                        "per-machine choice; one-process peers only")
+    shard: bool = _f(False, "a peer of several processes (--nproc-per-node K) shards the parameters, gradients "
+                     "and inner AdamW state over its K GPUs (FSDP2) instead of holding K full replicas (DDP): each "
+                     "GPU holds 1/K of 16 bytes per parameter; rank 0 keeps θ_local's full values in host memory. "
+                     "A per-machine choice; no effect on a one-process peer (train/shard.py)")
     lr_clock: str = _f("steps", "what the lr schedule's step counts: 'steps': this peer's own inner steps (measured "
                        "better with DyLU: benchmarks/heterogeneous.md 6.2); 'rounds': the run's progress, round x "
                        "H plus the share of this round's steps done, so every peer is at the same point of the "

@@ -19,6 +19,7 @@ from p2p_diloco.ops.stop import unhurried
 
 def checkpoint_state(peer) -> dict:
     ef = peer.error_feedback
+    peer.replica.refresh()  # a sharded peer's host copy of θ_local, brought up to date with its shards
     return {**peer.state.state_dict(), "name": peer.name, "fingerprint": peer.fingerprint,
             "model": peer.model.state_dict(), "inner": peer.inner.state_dict(),
             "data": peer.data.train.state_dict(), "data_ranks": peer.replica.data_states(),
@@ -43,6 +44,8 @@ def resume(peer) -> bool:
                           f"({saved['fingerprint']} != {peer.fingerprint}); use another run.run_dir")
     peer.state.load_state_dict(saved)
     peer.model.load_state_dict(saved["model"])
+    if peer.replica.shards is not None:
+        peer.replica.broadcast_local()  # the saved θ_local into every rank's shard
     peer.inner.load_state_dict(saved["inner"])
     peer.data.train.load_state_dict(saved["data"])
     peer.tokens_since_commit = saved["tokens_since_commit"]

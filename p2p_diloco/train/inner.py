@@ -65,8 +65,9 @@ class InnerTrainer:
     """
 
     def __init__(self, model: torch.nn.Module, cfg: InnerConfig, device: torch.device,
-                 total_steps: Optional[int], forward: Optional[torch.nn.Module] = None):
+                 total_steps: Optional[int], forward: Optional[torch.nn.Module] = None, sharded: bool = False):
         self.model, self.cfg, self.device, self.total_steps = model, cfg, device, total_steps
+        self.sharded = sharded  # inner.shard: parameters and AdamW moments are this rank's shards (train/shard.py)
         self.forward = forward if forward is not None else model
         self.step_count = 0
         self.optimizer = make_optimizer(_param_groups(model, cfg.weight_decay), cfg.optimizer_state, cfg.lr,
@@ -84,6 +85,8 @@ class InnerTrainer:
             # offloaded: the gradients are on the host by now
             params = getattr(self.optimizer, "host_parameters", self.model.parameters)()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):  # sharded parameters: the norm over every rank's shards
+                grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.step_count += 1
         # note: the one CPU-GPU sync point of a step (loss and norm fetched together)
@@ -113,11 +116,15 @@ class InnerTrainer:
         return self.forward.no_sync()
 
     def state_dict(self) -> dict:
-        """AdamW moments and ``step_count`` (the parameters belong to the caller's checkpoint)."""
+        """AdamW moments and ``step_count`` (the parameters belong to the caller's checkpoint). A sharded peer's
+        moments are spread over its ranks and not saved: a resumed sharded peer starts them afresh."""
+        if self.sharded:
+            return {"step_count": self.step_count}
         return {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state and not self.sharded:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step_count"])
 
 

@@ -90,7 +90,7 @@ def loss_module(model: torch.nn.Module, chunk_tokens: int, compiled: bool = Fals
 def compile_regions(model: torch.nn.Module, loss: torch.nn.Module) -> None:
     """torch.compile each decoder layer (one compiled graph serves them all) and the loss's chunk (``loss`` from
     :func:`loss_module` with ``compiled``); a model without a list of layers is compiled whole."""
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     if layers is None:
         model.compile()
     else:
@@ -100,7 +100,7 @@ def compile_regions(model: torch.nn.Module, loss: torch.nn.Module) -> None:
         loss.chunk_fn = torch.compile(_chunk_loss)
 
 
-def _decoder_layers(model: torch.nn.Module) -> Optional[torch.nn.ModuleList]:
+def decoder_layers(model: torch.nn.Module) -> Optional[torch.nn.ModuleList]:
     base = getattr(model, "base_model", None)
     for name in ("layers", "h", "blocks"):
         layers = getattr(base, name, None)

@@ -11,7 +11,12 @@ run :meth:`Replica.follow`, obeying commands that rank 0 broadcasts over a gloo 
   LOAD  θ_local ← rank 0's θ_local (after a commit, a state download, or any change rank 0 makes to θ_local): one
         broadcast of the flat parameter buffer
   DATA  each rank sends its data reader's position to rank 0, for rank 0's checkpoint
+  PULL  (inner.shard) every rank takes part in gathering the shards into rank 0's host copy of θ_local
   STOP  leave the loop
+
+With ``inner.shard`` the K processes hold 1/K each of the parameters, gradients and AdamW state (FSDP2,
+train/shard.py) instead of K replicas; LOAD then scatters rank 0's host copy of θ_local to the shards, and rank 0
+gathers them back (PULL) before it reads θ_local after inner steps.
 
 A rank that dies breaks the group: the next collective of the others fails at once (its connections close), rank 0
 stops like any failing peer (it announces that it leaves), and torchrun ends the rest. The swarm sees one peer.
@@ -31,11 +36,12 @@ from p2p_diloco.config import Config, ConfigError, RunConfig
 from p2p_diloco.train.data import Data, build_data
 from p2p_diloco.train.flops import flops_per_token, mfu, peak_flops
 from p2p_diloco.train.inner import InnerTrainer, StepResult, resolve_device, schedule_total_steps
-from p2p_diloco.train.memory import compile_regions, loss_module
+from p2p_diloco.train.memory import compile_regions, decoder_layers, loss_module
+from p2p_diloco.train.shard import check_shardable, gather_into, pairs, scatter_from, shard_modules
 from p2p_diloco.train.model import build_model
 from p2p_diloco.train.transfer import DeltaTransfer, flat_view, flatten_parameters, load_params
 
-STEP, LOAD, DATA, STOP = range(4)
+STEP, LOAD, DATA, STOP, PULL = range(5)
 
 
 @dataclasses.dataclass
@@ -69,11 +75,13 @@ def join_ranks(run: RunConfig) -> Optional[Ranks]:
 
 @dataclasses.dataclass
 class Training:
-    """What every rank builds the same way: device, data, model, inner loop."""
+    """What every rank builds the same way: device, data, model, inner loop. With ``inner.shard`` on several
+    processes, ``model`` is the host copy of θ_local and ``shards`` the sharded model the inner loop trains."""
     device: torch.device
     data: Data
     model: torch.nn.Module
     inner: InnerTrainer
+    shards: Optional[torch.nn.Module] = None
 
 
 def build_training(cfg: Config, name: str, ranks: Optional[Ranks]) -> Training:
@@ -86,6 +94,11 @@ def build_training(cfg: Config, name: str, ranks: Optional[Ranks]) -> Training:
     data_name = name if ranks is None or ranks.rank == 0 else f"{name}/rank{ranks.rank}"
     data = build_data(cfg.data, cfg.model.seq_len, cfg.inner.batch_size, data_name, cfg.model.init_from)
     model = build_model(cfg.model, data.vocab_size, cfg.run.seed)
+    if cfg.inner.shard and ranks is not None:
+        import copy
+
+        trained = copy.deepcopy(model)  # the host copy stays: θ_local's full values, read by the rest of the peer
+        return Training(device, data, model, build_inner(cfg, trained, device, ranks), shards=trained)
     return Training(device, data, model, build_inner(cfg, model, device, ranks))
 
 
@@ -97,15 +110,21 @@ def build_inner(cfg: Config, model: torch.nn.Module, device: torch.device, ranks
     if cfg.inner.offload and ranks is not None:
         raise ConfigError("inner.offload: a multi-process peer averages its gradients on the GPUs; offload is for "
                           "one-process peers (drop --nproc-per-node or inner.offload)")
+    sharded = cfg.inner.shard and ranks is not None
+    if sharded:
+        check_shardable(cfg)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    flatten_parameters(model, device)
-    model.to(device)  # buffers, and parameters that could not be flattened
+    if not sharded:
+        flatten_parameters(model, device)
+    model.to(device)  # buffers, and parameters that could not be flattened (sharded: fully_shard moves them)
     loss = loss_module(model, cfg.model.loss_chunk, compiled=cfg.run.compile)
     if cfg.run.compile:
         compile_regions(model, loss)
     forward = loss if loss is not model else None
-    if ranks is not None:
+    if sharded:
+        shard_modules(loss, decoder_layers(model), device)
+    elif ranks is not None:
         from torch.nn.parallel import DistributedDataParallel
 
         # buffers (rotary frequencies) are computed identically everywhere: no per-step broadcast of them;
@@ -113,7 +132,7 @@ def build_inner(cfg: Config, model: torch.nn.Module, device: torch.device, ranks
         forward = DistributedDataParallel(loss, device_ids=[device.index] if device.type == "cuda" else None,
                                           broadcast_buffers=False, gradient_as_bucket_view=True)
     total = schedule_total_steps(cfg.inner, cfg.run.rounds, cfg.diloco.inner_steps)
-    return InnerTrainer(model, cfg.inner, device, total, forward=forward)
+    return InnerTrainer(model, cfg.inner, device, total, forward=forward, sharded=sharded)
 
 
 def share_setup(name: str, cfg: Config, ranks: Optional[Ranks]) -> tuple[str, Config]:
@@ -133,10 +152,31 @@ class Replica:
 
     def __init__(self, training: Training, ranks: Optional[Ranks], cfg: Config):
         self.model, self.inner, self.device, self.ranks = training.model, training.inner, training.device, ranks
-        self.params = list(self.model.parameters())
-        self.transfer = DeltaTransfer(self.params)
+        self.shards = training.shards  # inner.shard: the sharded model; self.model is then θ_local on the host
+        self._params = list(self.model.parameters())
+        self._pairs = pairs(self.model, self.shards) if self.shards is not None else []
+        self._stale = False  # sharded: inner steps changed the shards since rank 0's host copy was refreshed
+        self.transfer = DeltaTransfer(self._params)
         self.flops_per_token = flops_per_token(self.model, cfg.model.seq_len)
         self.peak = peak_flops(self.device, cfg.run.peak_tflops)
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """θ_local on rank 0: the model's parameters (sharded: the host copy, refreshed from the shards first)."""
+        self.refresh()
+        return self._params
+
+    @property
+    def eval_device(self) -> torch.device:
+        """Where rank 0 evaluates θ_global: the device, or the host for a sharded peer (its full model is there)."""
+        return torch.device("cpu") if self.shards is not None else self.device
+
+    def refresh(self) -> None:
+        """Sharded: bring rank 0's host copy of θ_local up to date with the shards (after inner steps)."""
+        if self._stale:
+            self._command(PULL)
+            gather_into(self._pairs, 0)
+            self._stale = False
 
     @property
     def world(self) -> int:
@@ -147,20 +187,24 @@ class Replica:
         """One inner step (on every rank); loss averaged and tokens summed over the ranks. ``position``: the
         learning-rate schedule's position for :meth:`InnerTrainer.step`, when the caller sets it."""
         self._command(STEP, position)
+        self._stale = self.shards is not None
         return self._step(next_batch, position)
 
     def load(self, global_params: Sequence[torch.Tensor]) -> None:
         """θ_local ← θ_global on every rank."""
-        load_params(self.params, global_params)
+        load_params(self._params, global_params)
+        self._stale = False  # every value of the host copy was just written
         self.broadcast_local()
 
     def broadcast_local(self) -> None:
         """Rank 0's θ_local to every rank: call it after changing θ_local on rank 0 by any other means."""
+        self.refresh()  # sharded: a host copy older than the shards must not overwrite them
         self._command(LOAD)
         self._broadcast_params()
 
     def pseudo_gradient(self, global_params: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
         """δ = θ_global − θ_local into ``out`` (host fp32): θ_local is the same on every rank, rank 0's is used."""
+        self.refresh()
         self.transfer.pseudo_gradient(global_params, out)
 
     def data_states(self) -> list[dict]:
@@ -223,6 +267,8 @@ class Replica:
                 self._broadcast_params()
             elif command == DATA:
                 dist.gather_object(data.train.state_dict(), None, dst=0, group=self.ranks.control)
+            elif command == PULL:
+                gather_into(self._pairs, self.ranks.rank)
             else:
                 return
 
@@ -250,6 +296,9 @@ class Replica:
             return
         import torch.distributed as dist
 
-        flat = flat_view(self.params)
-        for tensor in [flat] if flat is not None else [p.detach() for p in self.params]:
+        if self.shards is not None:
+            scatter_from(self._pairs, self.ranks.rank)
+            return
+        flat = flat_view(self._params)
+        for tensor in [flat] if flat is not None else [p.detach() for p in self._params]:
             dist.broadcast(tensor, src=0)

@@ -1,0 +1,73 @@
+"""A sharded multi-process peer (``inner.shard``): the K processes of one machine hold 1/K each of the parameters,
+gradients and inner AdamW state (FSDP2's ``fully_shard``: each decoder layer a unit, the rest in the root unit),
+instead of K full replicas (DistributedDataParallel, train/replica.py).
+
+The rest of the peer sees one model, as with one process: rank 0 keeps θ_local's full fp32 values in **host** memory
+(the *mirror*, the model that evaluation, checkpoints, export and the pseudo-gradient read), never on a GPU. After
+inner steps rank 0 refreshes the mirror from the shards (:func:`gather_into`: one parameter at a time, so a GPU holds
+one full parameter at most, never the model), and after it changes θ_local (θ_global applied, a rebase) it pushes
+the mirror to the shards (:func:`scatter_from`, the same way). The gradients are averaged over the ranks by the
+reduce-scatter of the backward pass, as DDP's all-reduce averages them: the same inner step, sharded.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from p2p_diloco.config import Config, ConfigError
+
+
+def check_shardable(cfg: Config) -> None:
+    """The options a sharded peer does not take (yet): one clear line each."""
+    if cfg.inner.offload:
+        raise ConfigError("inner.shard: the shards live on the GPUs; inner.offload is for one-process peers "
+                          "(choose one of inner.shard and inner.offload)")
+    if cfg.inner.optimizer_state != "fp32":
+        raise ConfigError("inner.shard: torchao's 8-bit AdamW does not take sharded parameters; use "
+                          "inner.optimizer_state = \"fp32\" with inner.shard (its moments are sharded too)")
+
+
+def shard_modules(root: torch.nn.Module, layers, device: torch.device) -> None:
+    """FSDP2 over every process of the default group: each of ``layers`` (the decoder layers) its own unit, then
+    ``root`` (the module whose forward computes the loss: the embeddings, final norm and head are its own)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in layers if layers is not None else ():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(root, mesh=mesh)
+
+
+def pairs(mirror: torch.nn.Module, sharded: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(mirror parameter, sharded parameter), matched by name (fully_shard keeps the names)."""
+    host = dict(mirror.named_parameters())
+    out = [(host[name], p) for name, p in sharded.named_parameters()]
+    if len(out) != len(host):
+        raise RuntimeError(f"inner.shard: {len(out)} sharded parameters for {len(host)} in the model")
+    return out
+
+
+@torch.no_grad()
+def gather_into(matched: Sequence[tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
+    """The shards' values into the mirror (rank 0's; the others only take part in each all-gather)."""
+    for host, param in matched:
+        full = param.full_tensor()  # one parameter, whole, on every rank's device
+        if rank == 0:
+            host.copy_(full)
+
+
+@torch.no_grad()
+def scatter_from(matched: Sequence[tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
+    """Rank 0's mirror into every rank's shard, one parameter at a time."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for host, param in matched:
+        device = param.to_local().device
+        source = host.to(device, param.dtype) if rank == 0 else torch.empty(host.shape, dtype=param.dtype,
+                                                                               device=device)
+        piece = distribute_tensor(source, param.device_mesh, param.placements, src_data_rank=0)
+        param.to_local().copy_(piece.to_local())
