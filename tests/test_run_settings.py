@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,12 @@ def test_run_settings_are_what_peers_compute_together_and_machine_settings_the_r
 
 
 @pytest.mark.timeout(30)
-def test_machine_files_hold_machine_settings_only_and_layer_onto_the_run_file():
+def test_machine_files_hold_machine_settings_only_and_layer_onto_the_run_file(monkeypatch):
+    from p2p_diloco.config import sections
+
+    # 8-bit moments need torchao, which this machine may lack (a machine's own check then refuses the file: tested in
+    # test_memory_options); here the files are read as on a machine that has it
+    monkeypatch.setattr(sections, "_installed", lambda module: True)
     for machine in sorted(PEERS.glob("machine-*.toml")):
         given: set[str] = set()
         load_config(machine, given=given)

@@ -94,7 +94,8 @@ class InnerConfig:
                        "per-machine choice; one-process peers only")
     shard: bool = _f(False, "a peer of several processes (--nproc-per-node K) shards the parameters, gradients "
                      "and inner AdamW state over its K GPUs (FSDP2) instead of holding K full replicas (DDP): each "
-                     "GPU holds 1/K of 16 bytes per parameter; rank 0 keeps θ_local's full values in host memory. "
+                     "GPU holds 1/K of 16 bytes per parameter (10 with 8-bit moments); rank 0 keeps θ_local's full "
+                     "values in host memory. Not with inner.offload. "
                      "A per-machine choice; no effect on a one-process peer (train/shard.py)")
     lr_clock: str = _f("steps", "what the lr schedule's step counts: 'steps': this peer's own inner steps (measured "
                        "better with DyLU: benchmarks/heterogeneous.md 6.2); 'rounds': the run's progress, round x "

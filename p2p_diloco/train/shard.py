@@ -20,13 +20,11 @@ from p2p_diloco.config import Config, ConfigError
 
 
 def check_shardable(cfg: Config) -> None:
-    """The options a sharded peer does not take (yet): one clear line each."""
+    """The options a sharded peer does not take: one clear line each. (8-bit moments it takes: torchao's AdamW8bit
+    keeps them as shards of the sharded parameters.)"""
     if cfg.inner.offload:
         raise ConfigError("inner.shard: the shards live on the GPUs; inner.offload is for one-process peers "
                           "(choose one of inner.shard and inner.offload)")
-    if cfg.inner.optimizer_state != "fp32":
-        raise ConfigError("inner.shard: torchao's 8-bit AdamW does not take sharded parameters; use "
-                          "inner.optimizer_state = \"fp32\" with inner.shard (its moments are sharded too)")
 
 
 def shard_modules(root: torch.nn.Module, layers, device: torch.device) -> None:
