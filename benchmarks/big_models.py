@@ -58,6 +58,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per micro-batch (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per micro-batch (default 3)")
     parser.add_argument("--max-batch", type=int, default=64, help="largest micro-batch tried (default 64)")
+    parser.add_argument("--first-batch", type=int, default=2, help="the micro-batch a search starts at (default 2)")
+    parser.add_argument("--grad-accum", type=int, default=1, help="the peer's micro-batches per inner step "
+                        "(inner.grad_accum; default 1): an offloaded step's host update is spread over them")
     parser.add_argument("--search-s", type=float, default=60.0, help="time box of one micro-batch search, s")
     parser.add_argument("--budget-s", type=float, default=330.0, help="stop starting new searches after this, s")
     parser.add_argument("--loss-chunk", type=int, default=2048, help="the capped peer's model.loss_chunk (default "
@@ -175,11 +178,16 @@ def peer_loop(preset: str, args, device: torch.device, way: dict):
         "model.name": preset, "model.seq_len": str(args.seq_len), "model.loss_chunk": str(way["chunk"]),
         "model.gradient_checkpointing": str(way["ckpt"]).lower(), "inner.optimizer_state": way["state"],
         "inner.offload": str(way["offload"]).lower(), "run.compile": str(not args.no_compile).lower(),
-        "inner.warmup_steps": "10", "run.device": args.device})
+        "inner.warmup_steps": "10", "run.device": args.device, "inner.grad_accum": str(args.grad_accum)})
     model = fresh_model(preset, args, device).to("cpu")  # the peer builds on the host: build_inner moves it
     _free(device)
     inner = build_inner(cfg, model, device, ranks=None)
-    return model, lambda x: inner.step(lambda: x).loss
+
+    def step(x: torch.Tensor) -> float:
+        return inner.step(lambda: x).loss  # inner.grad_accum micro-batches, each the same x
+
+    step.micro_batches = args.grad_accum
+    return model, step
 
 
 def _fused_loss(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -262,7 +270,8 @@ def measure(step, model, batch: int, args, device: torch.device):
         _free(device)
         return None
     cuda = device.type == "cuda"
-    return {"micro_batch": batch, "tokens_per_s": batch * args.seq_len * args.steps / seconds, "train_loss": loss,
+    tokens = batch * args.seq_len * args.steps * getattr(step, "micro_batches", 1)
+    return {"micro_batch": batch, "tokens_per_s": tokens / seconds, "train_loss": loss,
             "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
             "reserved_gib": torch.cuda.max_memory_reserved(device) / GIB if cuda else None}
 
@@ -282,7 +291,7 @@ class Search:
     def __init__(self, step, model, args, device, deadline: float):
         self.step, self.model, self.args, self.device, self.deadline = step, model, args, device, deadline
         self.results: list[dict] = []
-        self.next_batch, self.oom_at, self.saturated = 2, None, False
+        self.next_batch, self.oom_at, self.saturated = args.first_batch, None, False
 
     def run(self) -> None:
         box = min(time.perf_counter() + self.args.search_s, self.deadline)
@@ -290,7 +299,7 @@ class Search:
             r = measure(self.step, self.model, self.next_batch, self.args, self.device)
             if r is None:
                 self.oom_at = self.next_batch
-                if self.next_batch == 2 and not self.results:
+                if self.next_batch == self.args.first_batch and not self.results:
                     r = measure(self.step, self.model, 1, self.args, self.device)
                     if r is not None:
                         self.results.append(r)
@@ -393,6 +402,7 @@ def row(loop, preset, cap, result, way, args, device, flops, timed_out) -> dict:
     loss = f"chunks of {chunk} positions" if chunk else "one eager function" if args.no_compile and loop != "peer" \
         else "the model's own" if args.no_compile else "one compiled function"
     out = {"preset": preset, "loop": loop, "cap_gib": cap or None, "fits": result is not None,
+           "grad_accum": args.grad_accum if loop == "peer" else 1,
            "gradient_checkpointing": way.get("ckpt") if result is not None else None,
            "optimizer_state": way.get("state", "fp32 (fused AdamW)"), "offload": bool(way.get("offload")),
            "loss_fn": loss, "compiled": not args.no_compile, "flops_per_token": flops,
