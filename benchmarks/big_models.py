@@ -178,7 +178,7 @@ def peer_loop(preset: str, args, device: torch.device, way: dict):
         "model.name": preset, "model.seq_len": str(args.seq_len), "model.loss_chunk": str(way["chunk"]),
         "model.gradient_checkpointing": str(way["ckpt"]).lower(), "inner.optimizer_state": way["state"],
         "inner.offload": str(way["offload"]).lower(), "run.compile": str(not args.no_compile).lower(),
-        "inner.warmup_steps": "10", "run.device": args.device, "inner.grad_accum": str(args.grad_accum)})
+        "inner.warmup_steps": "10", "run.device": args.device, "inner.grad_accum": str(getattr(args, "grad_accum", 1))})
     model = fresh_model(preset, args, device).to("cpu")  # the peer builds on the host: build_inner moves it
     _free(device)
     inner = build_inner(cfg, model, device, ranks=None)
@@ -186,7 +186,7 @@ def peer_loop(preset: str, args, device: torch.device, way: dict):
     def step(x: torch.Tensor) -> float:
         return inner.step(lambda: x).loss  # inner.grad_accum micro-batches, each the same x
 
-    step.micro_batches = args.grad_accum
+    step.micro_batches = getattr(args, "grad_accum", 1)
     return model, step
 
 
