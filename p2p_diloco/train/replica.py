@@ -115,9 +115,9 @@ def build_inner(cfg: Config, model: torch.nn.Module, device: torch.device, ranks
         check_shardable(cfg)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not sharded:
+    if not sharded:  # sharded: fully_shard moves each unit's parameters and buffers, sharded, one unit at a time
         flatten_parameters(model, device)
-    model.to(device)  # buffers, and parameters that could not be flattened (sharded: fully_shard moves them)
+        model.to(device)  # buffers, and parameters that could not be flattened
     loss = loss_module(model, cfg.model.loss_chunk, compiled=cfg.run.compile)
     if cfg.run.compile:
         compile_regions(model, loss)
