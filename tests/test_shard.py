@@ -6,63 +6,36 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from p2p_diloco.config import ConfigError, load_config
-from p2p_diloco.train.replica import Replica, build_training
 from p2p_diloco.train.shard import check_shardable
-from p2p_diloco.train.transfer import host_copy
 
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
-from shard_steps import batches  # noqa: E402
-
-SETTINGS = ["model.name=tiny", "model.seq_len=32", "inner.batch_size=2", "inner.warmup_steps=2", "inner.lr=1e-3",
-            "run.device=cpu", "run.threads=1"]
-STEPS = 3
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("state", ["fp32", pytest.param("8bit", marks=pytest.mark.skipif(
     importlib.util.find_spec("torchao") is None, reason="torchao not installed"))])
 def test_shard_pseudo_gradient_of_two_processes_equals_one_process_on_the_same_data(tmp_path, state):
-    """Two sharded ranks, each on its own 2 sequences per step, against one process on the same 4 sequences per step:
-    the same mean loss, the same averaged gradient, the same AdamW steps: δ equal within fp32 rounding (with 8-bit
-    moments, within their quantization: each rank quantizes its own shard's blocks). And θ_local ← θ_global reaches
-    every shard: gathered back, the host copy is θ_global to the bit."""
-    out = tmp_path / "sharded.pt"
-    worker = Path(__file__).parent / "workers" / "shard_steps.py"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(worker), str(out), str(STEPS), *SETTINGS, "inner.shard=true",
-                          f"inner.optimizer_state={state}"],
-                         capture_output=True, text=True, timeout=200)
-    assert run.returncode == 0, run.stderr[-3000:]
-    sharded = torch.load(out)
-    assert sharded["sharded"] and sharded["load_reached_shards"]
+    """benchmarks/shard_check.py: two sharded ranks, each on its own 2 sequences per step, against one process on the
+    same 4 sequences per step: the same mean loss, the same averaged gradient, the same AdamW steps: δ equal within
+    fp32 rounding (with 8-bit moments, within their quantization: each rank quantizes its own shard's blocks). And
+    θ_local ← θ_global reaches every shard: gathered back, the host copy is θ_global to the bit."""
+    from shard_check import main
 
-    torch.set_num_threads(1)
-    cfg = load_config(overrides={**dict(s.split("=", 1) for s in SETTINGS), "inner.optimizer_state": state})
-    training = build_training(cfg, "shard-test", None)
-    replica = Replica(training, None, cfg)
-    start = host_copy(replica.params, pin=False)
-    both = [torch.cat(pair) for pair in zip(*(batches(r, STEPS, training.data.vocab_size) for r in (0, 1)))]
-    steps = iter(both)
-    losses = [replica.step(lambda: next(steps)).loss for _ in range(STEPS)]
-    delta = [torch.empty_like(p) for p in start]
-    replica.pseudo_gradient(start, delta)
-
-    assert sharded["losses"] == pytest.approx(losses, rel=1e-5)
-    worst = max((a - b).abs().max().item() for a, b in zip(sharded["delta"], delta))
-    moved = max(d.abs().max().item() for d in delta)
-    assert moved > 1e-4, "the inner steps moved nothing"
+    result = main(["--preset", "tiny", "--steps", "3", "--optimizer-state", state, "--json", str(tmp_path / "r.json")])
+    assert result["sharded"] and result["load_reached_shards"]
+    assert result["losses_sharded"] == pytest.approx(result["losses_one_process"], rel=1e-5)
+    assert result["max_abs_delta"] > 1e-4, "the inner steps moved nothing"
     # the gradients are summed in another order (per rank, then reduce-scattered): 7.7e-7 measured here, where a
     # different step (one rank's data alone, a gradient not averaged) moves parameters by about lr = 1e-3
     # (8-bit moments: 2.8e-5, each rank quantizing its own shard's blocks)
-    assert worst < (1e-5 if state == "fp32" else 1e-4), f"δ differs by {worst:.3g} (largest δ {moved:.3g})"
+    worst = result["max_abs_delta_diff"]
+    assert worst < (1e-5 if state == "fp32" else 1e-4), f"δ differs by {worst:.3g}"
 
 
 def test_shard_refuses_offload_with_one_line():

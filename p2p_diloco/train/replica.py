@@ -166,6 +166,11 @@ class Replica:
         self.refresh()
         return self._params
 
+    def gathered(self) -> list[torch.Tensor]:
+        """Sharded: θ_local gathered from the shards now, whatever the host copy held (checks, benchmarks)."""
+        self._stale = self.shards is not None
+        return self.params
+
     @property
     def eval_device(self) -> torch.device:
         """Where rank 0 evaluates θ_global: the device, or the host for a sharded peer (its full model is there)."""
