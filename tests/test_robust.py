@@ -109,7 +109,7 @@ def test_an_attacker_is_bounded_by_robust_rules_and_not_by_the_mean():
 
 @pytest.mark.timeout(30)
 def test_holding_reducer_combines_in_sender_order_and_measures_what_it_holds():
-    from p2p_diloco.net.averaging.allreduce import HoldingPartReducer
+    from p2p_diloco.net.averaging.holding import HoldingPartReducer
 
     xs, ws = _parts(n=4, size=500)
     agg = Aggregator("trimmed_mean")
@@ -134,7 +134,7 @@ def test_holding_reducer_refuses_a_part_that_arrives_after_the_all_reduce_failed
     was being encoded, and the part then set the result of the cancelled future (InvalidStateError, which fails the
     round instead of the survivors' retry). It must be the all-reduce's own error."""
     from hivemind.averaging.partition import AllreduceException
-    from p2p_diloco.net.averaging.allreduce import HoldingPartReducer
+    from p2p_diloco.net.averaging.holding import HoldingPartReducer
 
     xs, ws = _parts(n=2, size=50)
 
