@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--optimizer-state", default="fp32", choices=("fp32", "8bit"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="another setting for both sides, e.g. model.gradient_checkpointing=true (repeatable)")
     parser.add_argument("--json", help="write the result here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # the sharded side, under torchrun: its output file
     return parser.parse_args(argv)
@@ -48,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def settings(args) -> dict:
     return {"model.name": args.preset, "model.seq_len": str(args.seq_len), "inner.batch_size": "2",
             "inner.warmup_steps": "2", "inner.lr": str(args.lr), "run.device": "cpu", "run.threads": "1",
-            "inner.optimizer_state": args.optimizer_state}
+            "inner.optimizer_state": args.optimizer_state, **dict(kv.split("=", 1) for kv in args.set)}
 
 
 def batches(rank: int, steps: int, vocab: int, seq_len: int) -> list[torch.Tensor]:
@@ -109,6 +111,7 @@ def main(argv=None) -> dict:
         sharded = torch.load(out)
     delta, losses = one_process_side(args)
     result = {"preset": args.preset, "steps": args.steps, "lr": args.lr, "optimizer_state": args.optimizer_state,
+              "settings": args.set,
               "sharded": sharded["sharded"], "load_reached_shards": sharded["load_reached_shards"],
               "max_abs_delta_diff": max((a - b).abs().max().item() for a, b in zip(sharded["delta"], delta)),
               "max_abs_delta": max(d.abs().max().item() for d in delta),

@@ -18,16 +18,20 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("state", ["fp32", pytest.param("8bit", marks=pytest.mark.skipif(
-    importlib.util.find_spec("torchao") is None, reason="torchao not installed"))])
-def test_shard_pseudo_gradient_of_two_processes_equals_one_process_on_the_same_data(tmp_path, state):
+@pytest.mark.parametrize("state,settings", [
+    ("fp32", []),
+    ("fp32", ["model.gradient_checkpointing=true", "model.loss_chunk=16"]),  # the chunked loss's module is the root
+    pytest.param("8bit", [], marks=pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                                                      reason="torchao not installed"))])
+def test_shard_pseudo_gradient_of_two_processes_equals_one_process_on_the_same_data(tmp_path, state, settings):
     """benchmarks/shard_check.py: two sharded ranks, each on its own 2 sequences per step, against one process on the
     same 4 sequences per step: the same mean loss, the same averaged gradient, the same AdamW steps: δ equal within
     fp32 rounding (with 8-bit moments, within their quantization: each rank quantizes its own shard's blocks). And
     θ_local ← θ_global reaches every shard: gathered back, the host copy is θ_global to the bit."""
     from shard_check import main
 
-    result = main(["--preset", "tiny", "--steps", "3", "--optimizer-state", state, "--json", str(tmp_path / "r.json")])
+    result = main(["--preset", "tiny", "--steps", "3", "--optimizer-state", state, "--json", str(tmp_path / "r.json"),
+                   *(f"--set={kv}" for kv in settings)])
     assert result["sharded"] and result["load_reached_shards"]
     assert result["losses_sharded"] == pytest.approx(result["losses_one_process"], rel=1e-5)
     assert result["max_abs_delta"] > 1e-4, "the inner steps moved nothing"
