@@ -21,7 +21,8 @@ from p2p_diloco.train.replica import build_inner
 
 CPU = torch.device("cpu")
 MEMORY_OPTIONS = {"model.loss_chunk": "64", "inner.optimizer_state": "fp32", "run.compile": "true",
-                  "model.gradient_checkpointing": "true", "inner.offload": "true"}
+                  "model.gradient_checkpointing": "true", "inner.offload": "true",
+                  "inner.shard": "true"}
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
 
 
