@@ -3,7 +3,7 @@ are their pseudo-gradients after ``--steps`` inner steps?
 
 The sharded side runs under torchrun (gloo on a CPU machine): each rank takes its own 2 sequences per step; rank 0
 computes δ = θ_global − θ_local against the initial θ_global, then checks that θ_local ← θ_global reaches every shard
-(gathered back, the host copy is θ_global to the bit). The one-process side takes both ranks' sequences in one
+(gathered back, the host copy is θ_global to the bit), and that the AdamW state saved by every rank reads back equal. The one-process side takes both ranks' sequences in one
 micro-batch: the same mean loss, the same averaged gradient, the same AdamW steps, summed in another order. Printed
 and written to ``--json``: the largest |δ_sharded − δ_one| and the largest |δ|, and both sides' losses.
 
@@ -61,7 +61,7 @@ def batches(rank: int, steps: int, vocab: int, seq_len: int) -> list[torch.Tenso
 def sharded_side(args) -> None:
     """One rank of the sharded peer (under torchrun)."""
     torch.set_num_threads(1)
-    cfg = load_config(overrides={**settings(args), "inner.shard": "true"})
+    cfg = load_config(overrides={**settings(args), "inner.shard": "true", "run.run_dir": os.path.dirname(args.worker)})
     ranks = join_ranks(cfg.run)
     training = build_training(cfg, "shard-check", ranks)
     replica = Replica(training, ranks, cfg)
@@ -76,9 +76,19 @@ def sharded_side(args) -> None:
     replica.pseudo_gradient(start, delta)
     replica.load(start)  # θ_local ← θ_global on every shard
     same = all(torch.equal(a, b) for a, b in zip(replica.gathered(), start))
-    torch.save({"delta": delta, "losses": losses, "load_reached_shards": same,
+    saved = _moments(replica.inner.optimizer)
+    replica.save_moments()  # every rank its shard, into run_dir/inner-shards
+    replica.inner.optimizer.state.clear()  # forgotten here, then read back
+    restored = replica.restore_moments() and _moments(replica.inner.optimizer) == saved
+    torch.save({"delta": delta, "losses": losses, "load_reached_shards": same, "moments_restored": restored,
                 "sharded": replica.shards is not None}, args.worker)
     replica.close()
+
+
+def _moments(optimizer) -> list:
+    """Rank 0's shard of every AdamW state tensor, as plain lists (to compare)."""
+    return [[(k, v.to_local().tolist() if hasattr(v, "to_local") else v.tolist()) for k, v in sorted(state.items())]
+            for state in optimizer.state.values()]
 
 
 def one_process_side(args) -> tuple[list[torch.Tensor], list[float]]:
@@ -113,6 +123,7 @@ def main(argv=None) -> dict:
     result = {"preset": args.preset, "steps": args.steps, "lr": args.lr, "optimizer_state": args.optimizer_state,
               "settings": args.set,
               "sharded": sharded["sharded"], "load_reached_shards": sharded["load_reached_shards"],
+              "moments_restored": sharded["moments_restored"],
               "max_abs_delta_diff": max((a - b).abs().max().item() for a, b in zip(sharded["delta"], delta)),
               "max_abs_delta": max(d.abs().max().item() for d in delta),
               "losses_sharded": sharded["losses"], "losses_one_process": losses}

@@ -32,7 +32,7 @@ def test_shard_pseudo_gradient_of_two_processes_equals_one_process_on_the_same_d
 
     result = main(["--preset", "tiny", "--steps", "3", "--optimizer-state", state, "--json", str(tmp_path / "r.json"),
                    *(f"--set={kv}" for kv in settings)])
-    assert result["sharded"] and result["load_reached_shards"]
+    assert result["sharded"] and result["load_reached_shards"] and result["moments_restored"]
     assert result["losses_sharded"] == pytest.approx(result["losses_one_process"], rel=1e-5)
     assert result["max_abs_delta"] > 1e-4, "the inner steps moved nothing"
     # the gradients are summed in another order (per rank, then reduce-scattered): 7.7e-7 measured here, where a
@@ -54,8 +54,9 @@ def test_shard_two_process_peer_and_one_process_peer_hold_the_same_theta_global_
     """A real swarm: one peer of 2 sharded processes (`--nproc-per-node 2 --inner.shard=true`) and one ordinary
     peer. Sharding is a machine setting (the run accepts a member that shards and one that does not); every round
     both commit holds the same θ_global digest on both, and the sharded peer counts the tokens of both its ranks.
-    The sharded peer is then stopped (SIGTERM to its rank 0: it saves and releases its other rank) and restarted from
-    its checkpoint (the saved θ_local scattered to its shards), and commits two more rounds with the other."""
+    The sharded peer is then stopped (SIGTERM to its rank 0: it saves, each rank its AdamW shard, and releases its
+    other rank) and restarted from its checkpoint (the saved θ_local scattered to its shards, the AdamW shards read
+    back), and commits two more rounds with the other."""
     from test_ranks import _cmdline, _committed, _swarm, _wait_for
 
     run = tmp_path / "run"
@@ -82,6 +83,8 @@ def test_shard_two_process_peer_and_one_process_peer_hold_the_same_theta_global_
     log = (run / "sharded.log").read_text()
     assert "device cpu x 2 process(es), sharded, starting at round 0" in log
     assert "device cpu x 2 process(es), sharded, resumed at round" in log
+    assert (run / "sharded" / "inner-shards" / ".metadata").is_file()  # each rank's AdamW shard, saved on stop
+    assert "resumed without the inner AdamW state" not in log
 
 
 def _rank0_pid(tag: str, cmdline) -> int:

@@ -59,6 +59,22 @@ def test_a_follower_gives_up_on_its_leader_only_after_pings_in_a_row_go_unanswer
     assert slow() is None and slow() is None and slow.dht.asked == 1  # at most one ping per period
 
 
+def test_a_stopping_peer_stops_waiting_for_a_group():
+    """net/watches.py StopWatch: silent until the peer is asked to stop, then the reason its matchmaking ends (the
+    averager's process ends it only if no group holds the peer yet: survive.py _abandon_matchmaking). The swarm
+    case: tests/test_ranks.py, whose one-rank peer waited out the whole matchmaking window after its partner left,
+    past the stop's 12 s (exit 143 in about one run of four before)."""
+    import threading
+
+    from p2p_diloco.net.watches import StopWatch, Watches
+
+    stop = threading.Event()
+    watch = Watches(StopWatch(stop), lambda: None)
+    assert watch() is None and not watch.run_moved
+    stop.set()
+    assert watch() == "stopping: this peer leaves the run" and not watch.run_moved
+
+
 def test_a_follower_stops_waiting_once_the_run_credibly_committed_its_round_without_it(monkeypatch):
     """net/watches.py RunWatch: nothing read during a healthy wait; a stranger's claim of a later round is not
     followed; once most of the run holds the next round, the wait ends and that round is remembered as the run's."""

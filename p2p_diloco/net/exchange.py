@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from p2p_diloco.net import consensus
-from p2p_diloco.net.watches import LeaderWatch, RunWatch, Watches
+from p2p_diloco.net.watches import LeaderWatch, RunWatch, StopWatch, Watches
 from p2p_diloco.train.overlap import Overlap
 
 
@@ -133,7 +133,8 @@ class Exchange:
             pending, self.pending = self.pending, None
             result, waited = pending.result(), pending.waited
             for _ in range(RESTARTS):  # the leader we waited for is dead: the next one, within this attempt
-                if not result.abandoned or self.overlap is not None or _run_moved(pending):
+                if not result.abandoned or self.overlap is not None or _run_moved(pending) \
+                        or self.peer.stop_event.is_set():  # StopWatch ended it: no next leader either
                     break
                 self.leaders.no_group()
                 self.peer.log.info(f"round {self.peer.round + 1}: {result.error}; looking for a group under the "
@@ -197,9 +198,11 @@ class Exchange:
             alive = consensus.alive_of(quorum, me, live)
             leader = self.leaders.name(me, live, peer.state.quorum)
             lead = leader == me.peer_id
+            watches = [StopWatch(peer.stop_event)]  # a stop ends our wait for a group (no all-reduce holds us)
             if not lead and leader and peer.dht is not None:
-                watch = Watches(LeaderWatch(peer.dht, leader, peer.cfg.averaging.request_timeout),
-                                RunWatch(peer.membership, peer.round))
+                watches += [LeaderWatch(peer.dht, leader, peer.cfg.averaging.request_timeout),
+                            RunWatch(peer.membership, peer.round)]
+            watch = Watches(*watches)
             peer.averager.set_group_size(self._group_size(me, live, lead))
         contribution = Contribution(name=peer.name, round=peer.round, digest=peer.state.digest,
                                     tokens=peer.tokens_since_commit, steps_per_s=self.announced_speed,

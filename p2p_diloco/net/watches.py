@@ -4,6 +4,7 @@ holds us yet, net/averaging/survive.py ``_abandon_matchmaking``)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, Optional
 
@@ -70,6 +71,18 @@ class RunWatch:
         self.run_moved = True
         self.membership.known_round = max(self.membership.known_round, latest)
         return f"the run committed round {latest} while we waited for a group of round {self.round + 1}"
+
+
+class StopWatch:
+    """A peer asked to stop (a signal) stops looking for a group: nobody's all-reduce holds it yet, and it leaves
+    (without it a peer whose partners left waited the whole matchmaking window, 2 × matchmaking_time +
+    request_timeout, longer than a stop's 12 s grace: exit 143 in tests/test_ranks.py)."""
+
+    def __init__(self, stop: threading.Event):
+        self.stop = stop
+
+    def __call__(self) -> Optional[str]:
+        return "stopping: this peer leaves the run" if self.stop.is_set() else None
 
 
 class Watches:

@@ -14,12 +14,14 @@ from dataclasses import asdict
 from p2p_diloco.config import ConfigError
 from p2p_diloco.config.secrets import redacted
 from p2p_diloco.ops.checkpoint import load_checkpoint, save_checkpoint
+from p2p_diloco.errors import first_line
 from p2p_diloco.ops.stop import unhurried
 
 
 def checkpoint_state(peer) -> dict:
     ef = peer.error_feedback
     peer.replica.refresh()  # a sharded peer's host copy of θ_local, brought up to date with its shards
+    peer.replica.save_moments()  # and its AdamW state, each rank its shard (run_dir/inner-shards)
     return {**peer.state.state_dict(), "name": peer.name, "fingerprint": peer.fingerprint,
             "model": peer.model.state_dict(), "inner": peer.inner.state_dict(),
             "data": peer.data.train.state_dict(), "data_ranks": peer.replica.data_states(),
@@ -30,7 +32,15 @@ def checkpoint_state(peer) -> dict:
 
 def save(peer) -> None:
     with peer.state.lock, unhurried("the checkpoint's write"):  # a stop's deadline lets it finish (ops/stop.py)
-        save_checkpoint(peer.run_dir, checkpoint_state(peer))
+        try:
+            state = checkpoint_state(peer)
+        except RuntimeError as e:
+            if peer.replica.shards is None:
+                raise
+            # a sharded peer whose rank died: that rank's shard of θ_local is gone; the last checkpoint stays
+            peer.log.warning(f"checkpoint not saved: a rank of this sharded peer is gone ({first_line(e)})")
+            return
+        save_checkpoint(peer.run_dir, state)
 
 
 def resume(peer) -> bool:
@@ -44,9 +54,11 @@ def resume(peer) -> bool:
                           f"({saved['fingerprint']} != {peer.fingerprint}); use another run.run_dir")
     peer.state.load_state_dict(saved)
     peer.model.load_state_dict(saved["model"])
+    peer.inner.load_state_dict(saved["inner"])
     if peer.replica.shards is not None:
         peer.replica.broadcast_local()  # the saved θ_local into every rank's shard
-    peer.inner.load_state_dict(saved["inner"])
+        if not peer.replica.restore_moments():
+            peer.log.warning("resumed without the inner AdamW state: run_dir holds no inner-shards folder")
     peer.data.train.load_state_dict(saved["data"])
     peer.tokens_since_commit = saved["tokens_since_commit"]
     peer.work_round = saved.get("work_round", peer.round)  # θ_local's work is relative to the saved θ_global

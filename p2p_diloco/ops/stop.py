@@ -1,7 +1,8 @@
 """Stopping on a signal: SIGTERM or SIGINT, sent to the process or to its whole process group, at any moment.
 
 The first signal asks for a clean stop: the stop event is set, and the round loop finishes its step, announces that
-it leaves, saves its checkpoint and shuts its helpers down (hivemind ``run_dht.py`` does the same). Before the command
+it leaves, saves its checkpoint and shuts its helpers down (hivemind ``run_dht.py`` does the same). A peer still
+looking for a group when the signal comes stops looking, unless a group holds it already (net/watches.py StopWatch). Before the command
 is under way (a peer that is still starting: nothing of its own to save yet) the first signal aborts the start-up at
 once instead, as KeyboardInterrupt. A second signal, or a stop still running ``STOP_GRACE_S`` after the first, ends
 the process at once with exit code 128 + the signal's number (130 for SIGINT, 143 for SIGTERM): its helper processes

@@ -117,7 +117,7 @@ class InnerTrainer:
 
     def state_dict(self) -> dict:
         """AdamW moments and ``step_count`` (the parameters belong to the caller's checkpoint). A sharded peer's
-        moments are spread over its ranks and not saved: a resumed sharded peer starts them afresh."""
+        moments are spread over its ranks: each saves its own (train/shard.py save_moments)."""
         if self.sharded:
             return {"step_count": self.step_count}
         return {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count}

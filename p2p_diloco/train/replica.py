@@ -12,6 +12,7 @@ run :meth:`Replica.follow`, obeying commands that rank 0 broadcasts over a gloo 
         broadcast of the flat parameter buffer
   DATA  each rank sends its data reader's position to rank 0, for rank 0's checkpoint
   PULL  (inner.shard) every rank takes part in gathering the shards into rank 0's host copy of θ_local
+  SAVE, RESTORE  (inner.shard) every rank writes (reads) its shard of the AdamW state, for rank 0's checkpoint
   STOP  leave the loop
 
 With ``inner.shard`` the K processes hold 1/K each of the parameters, gradients and AdamW state (FSDP2,
@@ -37,11 +38,12 @@ from p2p_diloco.train.data import Data, build_data
 from p2p_diloco.train.flops import flops_per_token, mfu, peak_flops
 from p2p_diloco.train.inner import InnerTrainer, StepResult, resolve_device, schedule_total_steps
 from p2p_diloco.train.memory import compile_regions, decoder_layers, loss_module
-from p2p_diloco.train.shard import check_shardable, gather_into, pairs, scatter_from, shard_modules
+from p2p_diloco.train.shard import (check_shardable, gather_into, load_moments, pairs, save_moments, scatter_from,
+                                    shard_modules)
 from p2p_diloco.train.model import build_model
 from p2p_diloco.train.transfer import DeltaTransfer, flat_view, flatten_parameters, load_params
 
-STEP, LOAD, DATA, STOP, PULL = range(5)
+STEP, LOAD, DATA, STOP, PULL, SAVE, RESTORE = range(7)
 
 
 @dataclasses.dataclass
@@ -156,6 +158,7 @@ class Replica:
         self._params = list(self.model.parameters())
         self._pairs = pairs(self.model, self.shards) if self.shards is not None else []
         self._stale = False  # sharded: inner steps changed the shards since rank 0's host copy was refreshed
+        self.run_dir = cfg.run.run_dir  # a sharded peer's AdamW shards are saved there, beside the checkpoint
         self.transfer = DeltaTransfer(self._params)
         self.flops_per_token = flops_per_token(self.model, cfg.model.seq_len)
         self.peak = peak_flops(self.device, cfg.run.peak_tflops)
@@ -211,6 +214,20 @@ class Replica:
         """δ = θ_global − θ_local into ``out`` (host fp32): θ_local is the same on every rank, rank 0's is used."""
         self.refresh()
         self.transfer.pseudo_gradient(global_params, out)
+
+    def save_moments(self) -> None:
+        """Sharded: every rank writes its shard of the AdamW state into run_dir (a one-process or DDP peer's moments
+        are in rank 0's checkpoint, InnerTrainer.state_dict)."""
+        if self.shards is not None:
+            self._command(SAVE)
+            save_moments(self.shards, self.inner.optimizer, self.run_dir)
+
+    def restore_moments(self) -> bool:
+        """Sharded: every rank reads its shard of the AdamW state back; False if none was saved."""
+        if self.shards is None:
+            return False
+        self._command(RESTORE)
+        return load_moments(self.shards, self.inner.optimizer, self.run_dir)
 
     def data_states(self) -> list[dict]:
         """The data positions of ranks 1..K-1 (for rank 0's checkpoint); [] for a one-process peer."""
@@ -274,6 +291,10 @@ class Replica:
                 dist.gather_object(data.train.state_dict(), None, dst=0, group=self.ranks.control)
             elif command == PULL:
                 gather_into(self._pairs, self.ranks.rank)
+            elif command == SAVE:
+                save_moments(self.shards, self.inner.optimizer, self.run_dir)
+            elif command == RESTORE:
+                load_moments(self.shards, self.inner.optimizer, self.run_dir)
             else:
                 return
 

@@ -69,3 +69,50 @@ def scatter_from(matched: Sequence[tuple[torch.Tensor, torch.Tensor]], rank: int
                                                                                device=device)
         piece = distribute_tensor(source, param.device_mesh, param.placements, src_data_rank=0)
         param.to_local().copy_(piece.to_local())
+
+
+MOMENTS_DIR = "inner-shards"  # in run.run_dir: each rank's shard of the inner AdamW state (torch.distributed.checkpoint)
+
+
+def save_moments(model: torch.nn.Module, optimizer, run_dir) -> None:
+    """Every rank writes its shard of the AdamW state (a collective: every rank calls it), beside rank 0's
+    checkpoint.pt; written to a fresh folder, then swapped in, so a crash keeps the previous one whole."""
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    final = Path(run_dir) / MOMENTS_DIR
+    fresh = final.with_name(f".{MOMENTS_DIR}.new")
+    if dist.get_rank() == 0:
+        shutil.rmtree(fresh, ignore_errors=True)
+    dist.barrier()
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(fresh))
+    if dist.get_rank() == 0:  # dcp.save returns once every rank's shard and the metadata are written
+        old = final.with_name(f".{MOMENTS_DIR}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        fresh.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load_moments(model: torch.nn.Module, optimizer, run_dir) -> bool:
+    """Every rank reads its shard of the AdamW state saved by :func:`save_moments`; False if there is none (every
+    rank sees the same folder: one machine)."""
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    path = Path(run_dir) / MOMENTS_DIR
+    if not (path / ".metadata").is_file():
+        return False
+    optimizer.zero_grad(set_to_none=True)  # so that an optimizer without state gets it made, zeroed, to read into
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the layout to read into
+    dcp.load(state, checkpoint_id=str(path))
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"])
+    return True
