@@ -87,8 +87,11 @@ def sharded_side(args) -> None:
 
 def _moments(optimizer) -> list:
     """Rank 0's shard of every AdamW state tensor, as plain lists (to compare)."""
-    return [[(k, v.to_local().tolist() if hasattr(v, "to_local") else v.tolist()) for k, v in sorted(state.items())]
-            for state in optimizer.state.values()]
+    def plain(v):
+        v = v.to_local() if hasattr(v, "to_local") else v
+        return (v.dequantize() if hasattr(v, "dequantize") else v).tolist()  # torchao's 8-bit moments
+
+    return [[(k, plain(v)) for k, v in sorted(state.items())] for state in optimizer.state.values()]
 
 
 def one_process_side(args) -> tuple[list[torch.Tensor], list[float]]:
