@@ -47,7 +47,6 @@ from p2p_diloco.ops.stop import grace_left
 from p2p_diloco.ops.metrics import MetricsSink, build_sink
 from p2p_diloco.ops.standing import StandingSink
 from p2p_diloco.train.global_state import GlobalState
-from p2p_diloco.train.inner import evaluate
 from p2p_diloco.train.model import count_parameters, model_fingerprint
 from p2p_diloco.train.outer import build_outer_optimizer, rebase, resolve_auto
 from p2p_diloco.train.replica import Replica, build_training, join_ranks, share_setup
@@ -329,7 +328,7 @@ class Peer:
     def _evaluate(self) -> float:
         """Held-out loss of θ_global."""
         with self.exchange.global_in_model():
-            return evaluate(self.model, self.data.eval_batches, self.replica.eval_device)
+            return self.replica.evaluate(self.data.eval_batches, on_host=self.exchange.overlap is not None)
 
     # ------------------------------------------------------------------------------------------------ close
     def close(self) -> None:

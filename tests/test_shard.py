@@ -53,7 +53,8 @@ def test_shard_refuses_offload_with_one_line():
 def test_shard_two_process_peer_and_one_process_peer_hold_the_same_theta_global_every_round(tmp_path, process_tag):
     """A real swarm: one peer of 2 sharded processes (`--nproc-per-node 2 --inner.shard=true`) and one ordinary
     peer. Sharding is a machine setting (the run accepts a member that shards and one that does not); every round
-    both commit holds the same θ_global digest on both, and the sharded peer counts the tokens of both its ranks.
+    both commit holds the same θ_global digest on both, the sharded peer counts the tokens of both its ranks, and its
+    evaluation through its shards (each rank half of the held-out batches) gives the other's held-out loss.
     The sharded peer is then stopped (SIGTERM to its rank 0: it saves, each rank its AdamW shard, and releases its
     other rank) and restarted from its checkpoint (the saved θ_local scattered to its shards, the AdamW shards read
     back), and commits two more rounds with the other."""
@@ -80,6 +81,8 @@ def test_shard_two_process_peer_and_one_process_peer_hold_the_same_theta_global_
     for k in together:
         assert mine[k]["global_params_sha256"] == theirs[k]["global_params_sha256"], f"round {k}: θ_global differs"
         assert mine[k]["train/tokens"] == 2 * mine[k]["train/inner_steps"] * 2 * 32
+        # θ_global evaluated through the shards, each rank half of the held-out batches: the one-process loss
+        assert mine[k]["eval/loss"] == pytest.approx(theirs[k]["eval/loss"], abs=1e-4), f"round {k}"
     log = (run / "sharded.log").read_text()
     assert "device cpu x 2 process(es), sharded, starting at round 0" in log
     assert "device cpu x 2 process(es), sharded, resumed at round" in log

@@ -13,6 +13,7 @@ run :meth:`Replica.follow`, obeying commands that rank 0 broadcasts over a gloo 
   DATA  each rank sends its data reader's position to rank 0, for rank 0's checkpoint
   PULL  (inner.shard) every rank takes part in gathering the shards into rank 0's host copy of θ_local
   SAVE, RESTORE  (inner.shard) every rank writes (reads) its shard of the AdamW state, for rank 0's checkpoint
+  EVAL  (inner.shard) every rank evaluates a share of the held-out batches through its shards
   STOP  leave the loop
 
 With ``inner.shard`` the K processes hold 1/K each of the parameters, gradients and AdamW state (FSDP2,
@@ -36,14 +37,15 @@ import torch
 from p2p_diloco.config import Config, ConfigError, RunConfig
 from p2p_diloco.train.data import Data, build_data
 from p2p_diloco.train.flops import flops_per_token, mfu, peak_flops
-from p2p_diloco.train.inner import InnerTrainer, StepResult, resolve_device, schedule_total_steps
+from p2p_diloco.train.inner import (InnerTrainer, StepResult, autocast, evaluate, resolve_device,
+                                    schedule_total_steps)
 from p2p_diloco.train.memory import compile_regions, decoder_layers, loss_module
-from p2p_diloco.train.shard import (check_shardable, gather_into, load_moments, pairs, save_moments, scatter_from,
-                                    shard_modules)
+from p2p_diloco.train.shard import (check_shardable, gather_into, load_moments, pairs, reshard, save_moments,
+                                    scatter_from, shard_modules)
 from p2p_diloco.train.model import build_model
 from p2p_diloco.train.transfer import DeltaTransfer, flat_view, flatten_parameters, load_params
 
-STEP, LOAD, DATA, STOP, PULL, SAVE, RESTORE = range(7)
+STEP, LOAD, DATA, STOP, PULL, SAVE, RESTORE, EVAL = range(8)
 
 
 @dataclasses.dataclass
@@ -174,10 +176,16 @@ class Replica:
         self._stale = self.shards is not None
         return self.params
 
-    @property
-    def eval_device(self) -> torch.device:
-        """Where rank 0 evaluates θ_global: the device, or the host for a sharded peer (its full model is there)."""
-        return torch.device("cpu") if self.shards is not None else self.device
+    def evaluate(self, batches: Sequence[torch.Tensor], on_host: bool = False) -> float:
+        """Mean loss of θ_local over ``batches`` (the peer calls it when θ_local is θ_global). Sharded: on the GPUs,
+        each rank a share of the batches through its shards (command EVAL); ``on_host``: on rank 0's host copy
+        instead (with overlap the shards hold θ_local while the host copy is made θ_global for the evaluation)."""
+        if self.shards is None:
+            return evaluate(self.model, batches, self.device)
+        if on_host:
+            return evaluate(self.model, batches, torch.device("cpu"))
+        self._command(EVAL, len(batches))
+        return self._evaluate_shards(batches)
 
     def refresh(self) -> None:
         """Sharded: bring rank 0's host copy of θ_local up to date with the shards (after inner steps)."""
@@ -295,6 +303,8 @@ class Replica:
                 save_moments(self.shards, self.inner.optimizer, self.run_dir)
             elif command == RESTORE:
                 load_moments(self.shards, self.inner.optimizer, self.run_dir)
+            elif command == EVAL:
+                self._evaluate_shards(data.eval_batches[:int(value)])
             else:
                 return
 
@@ -315,6 +325,30 @@ class Replica:
         total = torch.tensor([out.loss, float(out.tokens)], dtype=torch.float64)
         dist.all_reduce(total, group=self.ranks.control)
         return dataclasses.replace(out, loss=total[0].item() / self.world, tokens=int(total[1].item()))
+
+    @torch.no_grad()
+    def _evaluate_shards(self, batches: Sequence[torch.Tensor]) -> float:
+        """Every rank evaluates batches[rank::K] through its shards; as many forward passes on every rank (each one's
+        collectives need all), a rank with one batch fewer runs one more and drops it. The mean over all batches."""
+        import torch.distributed as dist
+
+        rank, world = self.ranks.rank, self.world
+        mine, passes = batches[rank::world], -(-len(batches) // world)
+        model, total = self.inner.forward, torch.zeros(2, dtype=torch.float64)
+        was_training = model.training
+        model.eval()
+        try:
+            for i in range(passes):
+                x = (mine[i] if i < len(mine) else batches[0]).to(self.device, non_blocking=True)
+                with autocast(self.device):
+                    loss = model(input_ids=x, labels=x, use_cache=False).loss.float()
+                if i < len(mine):
+                    total += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+        finally:
+            model.train(was_training)
+            reshard(model)  # the root unit stays gathered after a forward pass without its backward
+        dist.all_reduce(total, group=self.ranks.control)
+        return total[0].item() / max(1.0, total[1].item())
 
     @torch.no_grad()
     def _broadcast_params(self) -> None:

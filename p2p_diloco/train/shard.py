@@ -3,7 +3,7 @@ gradients and inner AdamW state (FSDP2's ``fully_shard``: each decoder layer a u
 instead of K full replicas (DistributedDataParallel, train/replica.py).
 
 The rest of the peer sees one model, as with one process: rank 0 keeps θ_local's full fp32 values in **host** memory
-(the *mirror*, the model that evaluation, checkpoints, export and the pseudo-gradient read), never on a GPU. After
+(the *mirror*, the model that checkpoints, export and the pseudo-gradient read), never on a GPU. After
 inner steps rank 0 refreshes the mirror from the shards (:func:`gather_into`: one parameter at a time, so a GPU holds
 one full parameter at most, never the model), and after it changes θ_local (θ_global applied, a rebase) it pushes
 the mirror to the shards (:func:`scatter_from`, the same way). The gradients are averaged over the ranks by the
@@ -38,6 +38,17 @@ def shard_modules(root: torch.nn.Module, layers, device: torch.device) -> None:
     for layer in layers if layers is not None else ():
         fully_shard(layer, mesh=mesh)
     fully_shard(root, mesh=mesh)
+
+
+def reshard(root: torch.nn.Module) -> None:
+    """Every FSDP unit under ``root`` back to its shards: after a forward pass without backward (an evaluation) the
+    root unit keeps its parameters gathered, and the module would then hold full parameters that the optimizer,
+    the checkpoint and :func:`pairs` do not know."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def pairs(mirror: torch.nn.Module, sharded: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
