@@ -143,8 +143,14 @@ def test_a_leader_killed_in_its_inner_steps_costs_its_followers_no_attempt(tmp_p
 
 @pytest.mark.timeout(420)
 def test_donor_killed_while_serving_state_to_a_joiner(tmp_path, process_tag):
-    plan = ChaosPlan(faults={"peer0": "kill:serving:2"}, actions=[(1, "join", "join0")])
-    summary = _run(tmp_path, peers=3, rounds=5, plan=plan)
+    """Donors are tried in order of name, so peer0 serves first, and dies doing it; peer1 then serves. peer1 and
+    peer2 wait in round 3's inner steps until join0 has joined: a joiner that read the roster as peer0 committed a
+    round a moment before the others (or after them) would take the round the other two hold, from peer1 first, and
+    peer0 would never serve (CI, stop 41: no kill)."""
+    plan = ChaosPlan(faults={"peer0": "kill:serving:2", "peer1": "hold:inner:3", "peer2": "hold:inner:3"},
+                     actions=[(1, "join", "join0")])
+    with _released_when_joined(tmp_path, ("peer1", "peer2"), "join0"):
+        summary = _run(tmp_path, peers=3, rounds=5, plan=plan)
     assert [(e["peer"], e["phase"]) for e in _events(summary, "kill")] == [("peer0", "serving")]
     join = _events(summary, "state_join")
     assert [e["peer"] for e in join] == ["join0"] and "from peer0" not in join[0]["phase"]  # the next donor served
