@@ -69,6 +69,8 @@ def sharded_side(args) -> None:
     if ranks.rank > 0:
         replica.follow(types.SimpleNamespace(train=types.SimpleNamespace(next_batch=lambda: next(mine))))
         replica.leave_group()
+        mirror = sum(p.numel() * p.element_size() for p in training.model.parameters() if not p.is_meta)
+        torch.save({"mirror_bytes": mirror}, f"{args.worker}.rank{ranks.rank}")
         return
     start = host_copy(replica.params, pin=False)  # θ_global: the model before any step
     losses = [replica.step(lambda: next(mine)).loss for _ in range(args.steps)]
@@ -122,11 +124,12 @@ def main(argv=None) -> dict:
         if run.returncode != 0:
             sys.exit(f"shard_check: the sharded side failed:\n{run.stderr[-3000:]}")
         sharded = torch.load(out)
+        mirror_bytes = torch.load(f"{out}.rank1")["mirror_bytes"]  # rank 1's host copy: shapes only
     delta, losses = one_process_side(args)
     result = {"preset": args.preset, "steps": args.steps, "lr": args.lr, "optimizer_state": args.optimizer_state,
               "settings": args.set,
               "sharded": sharded["sharded"], "load_reached_shards": sharded["load_reached_shards"],
-              "moments_restored": sharded["moments_restored"],
+              "moments_restored": sharded["moments_restored"], "rank1_host_copy_bytes": mirror_bytes,
               "max_abs_delta_diff": max((a - b).abs().max().item() for a, b in zip(sharded["delta"], delta)),
               "max_abs_delta": max(d.abs().max().item() for d in delta),
               "losses_sharded": sharded["losses"], "losses_one_process": losses}

@@ -33,6 +33,7 @@ def test_shard_pseudo_gradient_of_two_processes_equals_one_process_on_the_same_d
     result = main(["--preset", "tiny", "--steps", "3", "--optimizer-state", state, "--json", str(tmp_path / "r.json"),
                    *(f"--set={kv}" for kv in settings)])
     assert result["sharded"] and result["load_reached_shards"] and result["moments_restored"]
+    assert result["rank1_host_copy_bytes"] == 0, "rank 1 keeps a host copy of θ_local that only rank 0 reads"
     assert result["losses_sharded"] == pytest.approx(result["losses_one_process"], rel=1e-5)
     assert result["max_abs_delta"] > 1e-4, "the inner steps moved nothing"
     # the gradients are summed in another order (per rank, then reduce-scattered): 7.7e-7 measured here, where a

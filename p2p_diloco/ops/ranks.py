@@ -60,7 +60,8 @@ def run_follower(cfg: Config) -> int:
     replica = Replica(training, ranks, cfg)
     saved = load_checkpoint(cfg.run.run_dir)
     if saved is not None:  # rank 0 resumes from the same file (and refuses it if it is another run's)
-        training.model.load_state_dict(saved["model"])
+        if replica.shards is None:  # sharded: this rank's host copy holds shapes only; rank 0 scatters θ_local
+            training.model.load_state_dict(saved["model"])
         training.inner.load_state_dict(saved["inner"])
         states = saved.get("data_ranks") or []
         if len(states) >= ranks.rank:

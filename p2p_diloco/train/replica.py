@@ -41,7 +41,7 @@ from p2p_diloco.train.inner import (InnerTrainer, StepResult, autocast, evaluate
                                     schedule_total_steps)
 from p2p_diloco.train.memory import compile_regions, decoder_layers, loss_module
 from p2p_diloco.train.shard import (check_shardable, gather_into, load_moments, pairs, reshard, save_moments,
-                                    scatter_from, shard_modules)
+                                    scatter_from, shard_modules, to_shapes)
 from p2p_diloco.train.model import build_model
 from p2p_diloco.train.transfer import DeltaTransfer, flat_view, flatten_parameters, load_params
 
@@ -157,6 +157,8 @@ class Replica:
     def __init__(self, training: Training, ranks: Optional[Ranks], cfg: Config):
         self.model, self.inner, self.device, self.ranks = training.model, training.inner, training.device, ranks
         self.shards = training.shards  # inner.shard: the sharded model; self.model is then θ_local on the host
+        if self.shards is not None and ranks.rank > 0:
+            to_shapes(self.model)  # only rank 0 reads the host copy; the others need its shapes (scatter_from)
         self._params = list(self.model.parameters())
         self._pairs = pairs(self.model, self.shards) if self.shards is not None else []
         self._stale = False  # sharded: inner steps changed the shards since rank 0's host copy was refreshed

@@ -51,6 +51,17 @@ def reshard(root: torch.nn.Module) -> None:
             module.reshard()
 
 
+def to_shapes(model: torch.nn.Module) -> None:
+    """``model``'s parameters on the meta device (shapes without memory), each the same Parameter object, so that
+    tied weights stay tied (a plain ``.to("meta")`` makes new ones and unties them)."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to("meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
 def pairs(mirror: torch.nn.Module, sharded: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(mirror parameter, sharded parameter), matched by name (fully_shard keeps the names)."""
     host = dict(mirror.named_parameters())
