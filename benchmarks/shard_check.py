@@ -79,9 +79,10 @@ def sharded_side(args) -> None:
     replica.load(start)  # θ_local ← θ_global on every shard
     same = all(torch.equal(a, b) for a, b in zip(replica.gathered(), start))
     saved = _moments(replica.inner.optimizer)
-    replica.save_moments()  # every rank its shard, into run_dir/inner-shards
+    tag = replica.save_moments()  # every rank its shard, into run_dir/inner-shards
     replica.inner.optimizer.state.clear()  # forgotten here, then read back
-    restored = replica.restore_moments() and _moments(replica.inner.optimizer) == saved
+    refused = not replica.restore_moments("another checkpoint's") and not replica.inner.optimizer.state
+    restored = refused and replica.restore_moments(tag) and _moments(replica.inner.optimizer) == saved
     torch.save({"delta": delta, "losses": losses, "load_reached_shards": same, "moments_restored": restored,
                 "sharded": replica.shards is not None}, args.worker)
     replica.close()

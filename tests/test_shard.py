@@ -27,7 +27,8 @@ def test_shard_pseudo_gradient_of_two_processes_equals_one_process_on_the_same_d
     """benchmarks/shard_check.py: two sharded ranks, each on its own 2 sequences per step, against one process on the
     same 4 sequences per step: the same mean loss, the same averaged gradient, the same AdamW steps: δ equal within
     fp32 rounding (with 8-bit moments, within their quantization: each rank quantizes its own shard's blocks). And
-    θ_local ← θ_global reaches every shard: gathered back, the host copy is θ_global to the bit."""
+    θ_local ← θ_global reaches every shard: gathered back, the host copy is θ_global to the bit. The AdamW shards
+    read back equal, and are not read under another checkpoint's tag."""
     from shard_check import main
 
     result = main(["--preset", "tiny", "--steps", "3", "--optimizer-state", state, "--json", str(tmp_path / "r.json"),

@@ -21,8 +21,8 @@ from p2p_diloco.ops.stop import unhurried
 def checkpoint_state(peer) -> dict:
     ef = peer.error_feedback
     peer.replica.refresh()  # a sharded peer's host copy of θ_local, brought up to date with its shards
-    peer.replica.save_moments()  # and its AdamW state, each rank its shard (run_dir/inner-shards)
-    return {**peer.state.state_dict(), "name": peer.name, "fingerprint": peer.fingerprint,
+    shards_tag = peer.replica.save_moments()  # and its AdamW state, each rank its shard (run_dir/inner-shards)
+    return {**peer.state.state_dict(), "name": peer.name, "fingerprint": peer.fingerprint, "inner_shards": shards_tag,
             "model": peer.model.state_dict(), "inner": peer.inner.state_dict(),
             "data": peer.data.train.state_dict(), "data_ranks": peer.replica.data_states(),
             "tokens_since_commit": peer.tokens_since_commit, "work_round": peer.work_round,
@@ -57,8 +57,9 @@ def resume(peer) -> bool:
     peer.inner.load_state_dict(saved["inner"])
     if peer.replica.shards is not None:
         peer.replica.broadcast_local()  # the saved θ_local into every rank's shard
-        if not peer.replica.restore_moments():
-            peer.log.warning("resumed without the inner AdamW state: run_dir holds no inner-shards folder")
+        if not peer.replica.restore_moments(saved.get("inner_shards")):
+            peer.log.warning("resumed without the inner AdamW state: run_dir holds no inner-shards folder written "
+                             "with this checkpoint")
     peer.data.train.load_state_dict(saved["data"])
     peer.tokens_since_commit = saved["tokens_since_commit"]
     peer.work_round = saved.get("work_round", peer.round)  # θ_local's work is relative to the saved θ_global

@@ -41,7 +41,7 @@ from p2p_diloco.train.inner import (InnerTrainer, StepResult, autocast, evaluate
                                     schedule_total_steps)
 from p2p_diloco.train.memory import compile_regions, decoder_layers, loss_module
 from p2p_diloco.train.shard import (check_shardable, gather_into, load_moments, pairs, reshard, save_moments,
-                                    scatter_from, shard_modules, to_shapes)
+                                    moments_tag, scatter_from, shard_modules, to_shapes)
 from p2p_diloco.train.model import build_model
 from p2p_diloco.train.transfer import DeltaTransfer, flat_view, flatten_parameters, load_params
 
@@ -225,16 +225,18 @@ class Replica:
         self.refresh()
         self.transfer.pseudo_gradient(global_params, out)
 
-    def save_moments(self) -> None:
-        """Sharded: every rank writes its shard of the AdamW state into run_dir (a one-process or DDP peer's moments
-        are in rank 0's checkpoint, InnerTrainer.state_dict)."""
-        if self.shards is not None:
-            self._command(SAVE)
-            save_moments(self.shards, self.inner.optimizer, self.run_dir)
-
-    def restore_moments(self) -> bool:
-        """Sharded: every rank reads its shard of the AdamW state back; False if none was saved."""
+    def save_moments(self) -> Optional[str]:
+        """Sharded: every rank writes its shard of the AdamW state into run_dir; the shards' tag, for rank 0's
+        checkpoint (a one-process or DDP peer's moments are in that checkpoint, InnerTrainer.state_dict: None)."""
         if self.shards is None:
+            return None
+        self._command(SAVE)
+        return save_moments(self.shards, self.inner.optimizer, self.run_dir)
+
+    def restore_moments(self, tag: Optional[str]) -> bool:
+        """Sharded: every rank reads its shard of the AdamW state back, if run_dir holds the shards tagged ``tag``
+        (the checkpoint's); False if not (none saved, or saved with another checkpoint: the AdamW state starts anew)."""
+        if self.shards is None or not tag or moments_tag(self.run_dir) != tag:
             return False
         self._command(RESTORE)
         return load_moments(self.shards, self.inner.optimizer, self.run_dir)

@@ -96,10 +96,16 @@ def scatter_from(matched: Sequence[tuple[torch.Tensor, torch.Tensor]], rank: int
 MOMENTS_DIR = "inner-shards"  # in run.run_dir: each rank's shard of the inner AdamW state (torch.distributed.checkpoint)
 
 
-def save_moments(model: torch.nn.Module, optimizer, run_dir) -> None:
+TAG_FILE = "tag"  # in MOMENTS_DIR: names the checkpoint.pt it was written with (its "inner_shards")
+
+
+def save_moments(model: torch.nn.Module, optimizer, run_dir) -> str:
     """Every rank writes its shard of the AdamW state (a collective: every rank calls it), beside rank 0's
-    checkpoint.pt; written to a fresh folder, then swapped in, so a crash keeps the previous one whole."""
+    checkpoint.pt; written to a fresh folder, then swapped in, so a crash keeps the previous one whole. Returns (on
+    rank 0; "" on the others) a fresh tag, written into the folder: rank 0's checkpoint.pt keeps it, and a resume
+    reads the folder only if the tags match (a crash between the two writes leaves a folder of another round)."""
     import shutil
+    import uuid
     from pathlib import Path
 
     import torch.distributed as dist
@@ -112,7 +118,10 @@ def save_moments(model: torch.nn.Module, optimizer, run_dir) -> None:
         shutil.rmtree(fresh, ignore_errors=True)
     dist.barrier()
     dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(fresh))
+    tag = ""
     if dist.get_rank() == 0:  # dcp.save returns once every rank's shard and the metadata are written
+        tag = uuid.uuid4().hex
+        (fresh / TAG_FILE).write_text(tag)
         old = final.with_name(f".{MOMENTS_DIR}.old")
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():
@@ -120,6 +129,17 @@ def save_moments(model: torch.nn.Module, optimizer, run_dir) -> None:
         fresh.rename(final)
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
+    return tag
+
+
+def moments_tag(run_dir) -> str:
+    """The tag of the AdamW shards saved in ``run_dir`` ("" if none)."""
+    from pathlib import Path
+
+    path = Path(run_dir) / MOMENTS_DIR
+    if not (path / ".metadata").is_file() or not (path / TAG_FILE).is_file():
+        return ""
+    return (path / TAG_FILE).read_text().strip()
 
 
 def load_moments(model: torch.nn.Module, optimizer, run_dir) -> bool:
