@@ -247,9 +247,10 @@ class Peer:
         if self._last_round_held():
             return True
         if self.exchange.run_size.given_up:  # net/consensus.py RunSize: no second final θ_global
-            self.log.warning(f"the run's last round found no quorum in {consensus.FORGET_AFTER} attempts (the run "
-                             f"had {self.exchange.run_size.floor} peers or more): the others finished without us or "
-                             f"are gone; stopping at round {self.round}")
+            self.log.warning(f"the run's last round found no quorum in {consensus.FORGET_AFTER} attempts (it needs "
+                             f"more than half of the {len(self.state.quorum)} peers that committed round "
+                             f"{self.round}): the others finished without us or are gone; stopping at round "
+                             f"{self.round}")
             return True
         return self.membership is not None and self.membership.run_is_over(roster)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from p2p_diloco.net.averaging.contribution import Contribution, count_quorum
-from p2p_diloco.net.consensus import PeerStatus, designated_leader
+from p2p_diloco.net.consensus import PeerStatus, alive_of, designated_leader
 from p2p_diloco.train.global_state import GlobalState, parse_quorum
 from p2p_diloco.train.outer import OuterNesterov, state_digests
 
@@ -96,6 +96,25 @@ def test_a_group_without_any_member_of_it_commits_only_once_none_is_alive_then_b
     assert not count_quorum(contributions, ids, 0, quorum=["A", "B", "C"]).ok
 
 
+def test_the_last_round_counts_the_whole_group_that_committed_the_round_before_not_the_roster():
+    """At the run's last round a member's entry gone may be a finisher's, not a death: nobody has a view of who is
+    alive (consensus.alive_of gives 0), so a group commits only with more than half of the whole list. Strangers'
+    entries inflating the roster view (the roster rule the last round kept before) no longer make it stop short;
+    two stragglers of 16 whose other 14 finished (entries expired) cannot commit a second final θ_global."""
+    me = PeerStatus("a", "A", 3, "x")
+    live = [PeerStatus("b", "B", 3, "x"), PeerStatus("s1", "S1", 3, "x"), PeerStatus("s2", "S2", 3, "x")]
+    assert alive_of(["A", "B", "C"], me, live) == 2 and alive_of(["A", "B", "C"], me, live, final=True) == 0
+    contributions, ids = _group(["A", "B"], electorate=8, alive=alive_of(["A", "B", "C"], me, live, final=True))
+    assert count_quorum(contributions, ids, 0).ok is False  # the roster rule: strangers' entries at 8 views
+    verdict = count_quorum(contributions, ids, 0, quorum=["A", "B", "C"])
+    assert (verdict.ok, verdict.holders, verdict.size) == (True, 2, 3)
+    listed = [f"P{i:02d}" for i in range(16)]
+    stragglers, _ = _group(listed[:2], electorate=2, alive=2)  # what they would see alive: each other
+    assert count_quorum(stragglers, listed[:2], 0, quorum=listed).ok  # before the last round: they go on
+    stragglers, _ = _group(listed[:2], electorate=2, alive=0)  # at the last round
+    assert not count_quorum(stragglers, listed[:2], 0, quorum=listed).ok
+
+
 def test_every_member_of_the_state_reaches_the_same_verdict():
     for members in itertools.combinations(["A", "B", "C", "D", "J"], 3):
         contributions, ids = _group(members, electorate=5)
@@ -152,14 +171,6 @@ def test_the_leader_is_one_of_the_last_committers_while_one_can_lead():
     joiner, dead = PeerStatus("n", "N7", 3, "x"), PeerStatus("d", "D0", 3, "x")
     assert designated_leader(joiner, [dead], quorum=["D0", "Q1"]) == "D0"
     assert designated_leader(joiner, [dead], passed_over=["D0"], quorum=["D0", "Q1"]) == "N7"
-
-
-def test_the_runs_last_round_keeps_the_roster_rule():
-    from p2p_diloco.net.consensus import quorum_group
-
-    assert quorum_group(["A", "B"], 2, 4) == ["A", "B"]
-    assert quorum_group(["A", "B"], 3, 4) == []  # round 4 is the last: every peer of round 3 counts the roster
-    assert quorum_group(["A", "B"], 3, None) == ["A", "B"]  # a run without an end
 
 
 def test_the_group_waits_for_the_last_committers_a_roster_read_missed():

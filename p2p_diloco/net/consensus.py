@@ -134,20 +134,19 @@ def electorate(me: PeerStatus, live: Sequence[PeerStatus]) -> int:
     return len(ids | {me.peer_id})
 
 
-def quorum_group(quorum: Sequence[str], round_: int, rounds: Optional[int]) -> list[str]:
-    """The peer ids a group's quorum for round ``round_`` + 1 is counted over (net/averaging/contribution.py
-    count_quorum): the group that committed ``round_`` (GlobalState.quorum), except for the run's last round
-    (``rounds``), which keeps the roster rule with the run's size kept (:class:`RunSize`): peers that join there to
-    replace dead members would not count, and the count of the group's members still alive cannot tell a peer that
-    died from one that finished the run (its entry gone, its finished record gone with its DHT node): stragglers
-    would commit a second final θ_global. A stranger's entries at that round make the peers stop one round short
-    (:attr:`RunSize.given_up`) instead of stalling them. [] for every peer of a round: the roster rule."""
-    return [] if rounds is not None and round_ + 1 >= rounds else list(quorum)
-
-
-def alive_of(quorum: Collection[str], me: PeerStatus, live: Sequence[PeerStatus]) -> int:
+def alive_of(quorum: Collection[str], me: PeerStatus, live: Sequence[PeerStatus], final: bool = False) -> int:
     """How many of ``quorum`` (the peer ids that committed our round) ``me`` sees alive: a live roster entry (at any
-    round) that announces no leave, or ``me`` itself (net/averaging/contribution.py count_quorum)."""
+    round) that announces no leave, or ``me`` itself (net/averaging/contribution.py count_quorum).
+
+    0 at the run's last round (``final``: no view of who is alive), so that its group commits only with more than
+    half of the whole group that committed the round before: there a member whose entry is gone may have finished
+    the run rather than died (its finished record may have gone with its DHT node), and stragglers counting only
+    the members they see would commit a second final θ_global (a 16-peer swarm: 14 peers on one, 2 on another).
+    Before, that round kept the roster rule, with the run's size kept (:class:`RunSize`), and a stranger's entries
+    at the run's round made every peer stop one round short. What this costs: a run whose last group lost more than
+    half of its members before the last round stops one round short (:attr:`RunSize.given_up`), joiners or not."""
+    if final:
+        return 0
     alive = {s.peer_id for s in live if not s.leaving} | {me.peer_id}
     return len(set(quorum) & alive)
 
@@ -295,7 +294,9 @@ class RunSize:
     leave see a run of two or three once those entries expire, and the finished records may have gone with the
     finishers' DHT nodes; forgetting, they committed a last round of their own, a second final θ_global (a 16-peer
     swarm: 14 peers on one, 2 on another). A run whose other peers really died at its last round ends one round
-    short instead, every peer on the same θ_global."""
+    short instead, every peer on the same θ_global. (The last round's quorum is counted over the whole group that
+    committed the round before, :func:`alive_of`; the bound serves the roster rule, where no member of that group
+    is in ours.)"""
     floor: int = 0
     failures: int = 0
     given_up: bool = False

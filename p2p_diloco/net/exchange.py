@@ -190,12 +190,12 @@ class Exchange:
         weight = peer.tokens_since_commit if peer.cfg.diloco.weight_by_tokens else 1.0
         self.announced_speed = peer.pace.steps_per_s
         electorate, alive, lead, watch = 0, 0, True, None  # outside a swarm (tests): hivemind's matchmaking
-        quorum = consensus.quorum_group(peer.state.quorum, peer.round, peer.cfg.run.rounds)
+        quorum, rounds = peer.state.quorum, peer.cfg.run.rounds
         if peer.membership is not None:
             me = peer.membership.status()
             live = consensus.with_my_group(me, live, self.last_group)  # entries our commit has not reached yet
             electorate = self.run_size.electorate(consensus.electorate(me, live))
-            alive = consensus.alive_of(quorum, me, live)
+            alive = consensus.alive_of(quorum, me, live, final=rounds is not None and peer.round + 1 >= rounds)
             leader = self.leaders.name(me, live, peer.state.quorum)
             lead = leader == me.peer_id
             watches = [StopWatch(peer.stop_event)]  # a stop ends our wait for a group (no all-reduce holds us)

@@ -10,8 +10,8 @@ It finds the run's prefix in the run index, then, until STOP_FILE exists, stores
     to serve that state;
   * ``inflate``: once the run committed a round, well-formed entries under ``--inflate`` generated keys at the run's
     latest round and digest, following it below ``--inflate-below`` (benchmarks/quorum_inflation.py: before the
-    quorum was counted over the group that committed the round, they stalled the run; the run's last round still
-    counts the roster, where they make the peers stop one round short);
+    quorum was counted over the group that committed the round, they stalled the run; until the last round counted
+    that group too, they made the peers stop one round short);
   * ``finished``: "finished the run" records at ``--finish-round`` under 8 other generated keys (before stop 40 every
     peer counted them against the peers still training, and stopped: `the run finished without us`).
 The report names the attacker's peer ids and how many stores each DHT confirmed.
