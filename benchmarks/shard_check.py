@@ -3,7 +3,10 @@ are their pseudo-gradients after ``--steps`` inner steps?
 
 The sharded side runs under torchrun (gloo on a CPU machine): each rank takes its own 2 sequences per step; rank 0
 computes δ = θ_global − θ_local against the initial θ_global, then checks that θ_local ← θ_global reaches every shard
-(gathered back, the host copy is θ_global to the bit), and that the AdamW state saved by every rank reads back equal. The one-process side takes both ranks' sequences in one
+(gathered back, the host copy is θ_global to the bit), that the AdamW state saved by every rank reads back equal,
+and that an evaluation of θ_global through the shards while θ_local is trained on (overlap:
+Exchange.global_in_model with shards) gives the one-process loss and leaves θ_local in the shards to the bit. The
+one-process side takes both ranks' sequences in one
 micro-batch: the same mean loss, the same averaged gradient, the same AdamW steps, summed in another order. Printed
 and written to ``--json``: the largest |δ_sharded − δ_one| and the largest |δ|, and both sides' losses.
 
@@ -30,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project, 
 
 from p2p_diloco.config import load_config  # noqa: E402
 from p2p_diloco.train.replica import Replica, build_training, join_ranks  # noqa: E402
-from p2p_diloco.train.transfer import host_copy  # noqa: E402
+from p2p_diloco.train.transfer import host_copy, load_params  # noqa: E402
+from p2p_diloco.train.inner import evaluate  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,8 +70,10 @@ def sharded_side(args) -> None:
     training = build_training(cfg, "shard-check", ranks)
     replica = Replica(training, ranks, cfg)
     mine = iter(batches(ranks.rank, args.steps, training.data.vocab_size, args.seq_len))
+    held_out = batches(9, 3, training.data.vocab_size, args.seq_len)  # the same on every rank and side
     if ranks.rank > 0:
-        replica.follow(types.SimpleNamespace(train=types.SimpleNamespace(next_batch=lambda: next(mine))))
+        replica.follow(types.SimpleNamespace(train=types.SimpleNamespace(next_batch=lambda: next(mine)),
+                                             eval_batches=held_out))
         replica.leave_group()
         mirror = sum(p.numel() * p.element_size() for p in training.model.parameters() if not p.is_meta)
         torch.save({"mirror_bytes": mirror}, f"{args.worker}.rank{ranks.rank}")
@@ -76,6 +82,13 @@ def sharded_side(args) -> None:
     losses = [replica.step(lambda: next(mine)).loss for _ in range(args.steps)]
     delta = [torch.empty_like(p) for p in start]
     replica.pseudo_gradient(start, delta)
+    trained = host_copy(replica.params, pin=False)
+    load_params(replica.params, start)  # as Exchange.global_in_model(shards=True) with overlap: θ_global in ...
+    replica.broadcast_local()  # ... the shards for the evaluation
+    eval_loss = replica.evaluate(held_out)
+    load_params(replica.params, trained)  # then θ_local back
+    replica.broadcast_local()
+    kept = all(torch.equal(a, b) for a, b in zip(replica.gathered(), trained))
     replica.load(start)  # θ_local ← θ_global on every shard
     same = all(torch.equal(a, b) for a, b in zip(replica.gathered(), start))
     saved = _moments(replica.inner.optimizer)
@@ -84,6 +97,7 @@ def sharded_side(args) -> None:
     refused = not replica.restore_moments("another checkpoint's") and not replica.inner.optimizer.state
     restored = refused and replica.restore_moments(tag) and _moments(replica.inner.optimizer) == saved
     torch.save({"delta": delta, "losses": losses, "load_reached_shards": same, "moments_restored": restored,
+                "eval_loss": eval_loss, "local_kept_through_eval": kept,
                 "sharded": replica.shards is not None}, args.worker)
     replica.close()
 
@@ -104,12 +118,13 @@ def one_process_side(args) -> tuple[list[torch.Tensor], list[float]]:
     replica = Replica(training, None, cfg)
     start = host_copy(replica.params, pin=False)
     vocab = training.data.vocab_size
+    eval_loss = evaluate(training.model, batches(9, 3, vocab, args.seq_len), training.device)  # of θ_global
     both = [torch.cat(pair) for pair in zip(*(batches(r, args.steps, vocab, args.seq_len) for r in (0, 1)))]
     steps = iter(both)
     losses = [replica.step(lambda: next(steps)).loss for _ in range(args.steps)]
     delta = [torch.empty_like(p) for p in start]
     replica.pseudo_gradient(start, delta)
-    return delta, losses
+    return delta, losses, eval_loss
 
 
 def main(argv=None) -> dict:
@@ -126,11 +141,13 @@ def main(argv=None) -> dict:
             sys.exit(f"shard_check: the sharded side failed:\n{run.stderr[-3000:]}")
         sharded = torch.load(out)
         mirror_bytes = torch.load(f"{out}.rank1")["mirror_bytes"]  # rank 1's host copy: shapes only
-    delta, losses = one_process_side(args)
+    delta, losses, eval_loss = one_process_side(args)
     result = {"preset": args.preset, "steps": args.steps, "lr": args.lr, "optimizer_state": args.optimizer_state,
               "settings": args.set,
               "sharded": sharded["sharded"], "load_reached_shards": sharded["load_reached_shards"],
               "moments_restored": sharded["moments_restored"], "rank1_host_copy_bytes": mirror_bytes,
+              "eval_loss_sharded": sharded["eval_loss"], "eval_loss_one_process": eval_loss,
+              "local_kept_through_eval": sharded["local_kept_through_eval"],
               "max_abs_delta_diff": max((a - b).abs().max().item() for a, b in zip(sharded["delta"], delta)),
               "max_abs_delta": max(d.abs().max().item() for d in delta),
               "losses_sharded": sharded["losses"], "losses_one_process": losses}

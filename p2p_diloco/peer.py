@@ -328,8 +328,8 @@ class Peer:
 
     def _evaluate(self) -> float:
         """Held-out loss of θ_global."""
-        with self.exchange.global_in_model():
-            return self.replica.evaluate(self.data.eval_batches, on_host=self.exchange.overlap is not None)
+        with self.exchange.global_in_model(shards=True):
+            return self.replica.evaluate(self.data.eval_batches)
 
     # ------------------------------------------------------------------------------------------------ close
     def close(self) -> None:

@@ -29,13 +29,17 @@ def test_shard_pseudo_gradient_of_two_processes_equals_one_process_on_the_same_d
     same 4 sequences per step: the same mean loss, the same averaged gradient, the same AdamW steps: δ equal within
     fp32 rounding (with 8-bit moments, within their quantization: each rank quantizes its own shard's blocks). And
     θ_local ← θ_global reaches every shard: gathered back, the host copy is θ_global to the bit. The AdamW shards
-    read back equal, and are not read under another checkpoint's tag."""
+    read back equal, and are not read under another checkpoint's tag. θ_global evaluated through the shards while
+    θ_local is trained on (overlap) gives the one-process loss, and θ_local is back in the shards after."""
     from shard_check import main
 
     result = main(["--preset", "tiny", "--steps", "3", "--optimizer-state", state, "--json", str(tmp_path / "r.json"),
                    *(f"--set={kv}" for kv in settings)])
     assert result["sharded"] and result["load_reached_shards"] and result["moments_restored"]
     assert result["rank1_host_copy_bytes"] == 0, "rank 1 keeps a host copy of θ_local that only rank 0 reads"
+    # θ_global evaluated through the shards while they hold θ_local (overlap), each rank half of the batches
+    assert result["eval_loss_sharded"] == pytest.approx(result["eval_loss_one_process"], rel=1e-5)
+    assert result["local_kept_through_eval"], "θ_local did not come back to the shards after the evaluation"
     assert result["losses_sharded"] == pytest.approx(result["losses_one_process"], rel=1e-5)
     assert result["max_abs_delta"] > 1e-4, "the inner steps moved nothing"
     # the gradients are summed in another order (per rank, then reduce-scattered): 7.7e-7 measured here, where a
@@ -91,6 +95,30 @@ def test_shard_two_process_peer_and_one_process_peer_hold_the_same_theta_global_
     assert "device cpu x 2 process(es), sharded, resumed at round" in log
     assert (run / "sharded" / "inner-shards" / ".metadata").is_file()  # each rank's AdamW shard, saved on stop
     assert "resumed without the inner AdamW state" not in log
+
+
+@pytest.mark.timeout(300)
+def test_shard_peer_with_overlap_evaluates_theta_global_through_its_shards(tmp_path, process_tag):
+    """With diloco.overlap the shards hold θ_local (θ_global + the work in flight) when a round is evaluated:
+    θ_global is scattered to them for the evaluation and θ_local back after (Exchange.global_in_model with shards),
+    so the sharded peer's held-out loss is the one-process peer's (evaluated on θ_local it differs), and both go on
+    holding the same θ_global."""
+    from test_ranks import _committed, _swarm, _wait_for
+
+    run = tmp_path / "run"
+    swarm = _swarm(run, ["--run.rounds=1000", "--diloco.overlap=delayed"])
+    try:
+        swarm.start_peer("sharded", ["--nproc-per-node", "2", "--inner.shard=true"])
+        swarm.start_peer("plain")
+        together = lambda: [r for r in _committed(run, "sharded") if sorted(r["outer/peers"]) == ["plain", "sharded"]]
+        _wait_for(lambda: len(together()) >= 3 and len(_committed(run, "plain")) >= 4, 200, "3 rounds together")
+    finally:
+        swarm.close()
+    theirs = {r["round"]: r for r in _committed(run, "plain")}
+    for mine in together():
+        k = mine["round"]
+        assert mine["global_params_sha256"] == theirs[k]["global_params_sha256"], f"round {k}: θ_global differs"
+        assert mine["eval/loss"] == pytest.approx(theirs[k]["eval/loss"], abs=1e-4), f"round {k}"
 
 
 def _rank0_pid(tag: str, cmdline) -> int:

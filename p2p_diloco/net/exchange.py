@@ -317,19 +317,23 @@ class Exchange:
 
     # ------------------------------------------------------------------------------------------------ θ_global
     @contextlib.contextmanager
-    def global_in_model(self):
+    def global_in_model(self, shards: bool = False):
         """The model (rank 0's) holds θ_global inside this block (evaluation, export, samples); with overlap
-        θ_local, which is θ_global + offset between rounds, is put back after (the same bytes: same operands)."""
+        θ_local, which is θ_global + offset between rounds, is put back after (the same bytes: same operands).
+        ``shards``: a sharded peer's shards hold it too (its evaluation runs through them): with overlap θ_global is
+        scattered to them, and θ_local back after (without overlap they hold θ_global already)."""
         from p2p_diloco.train.transfer import load_params
 
         peer = self.peer
         if self.overlap is not None:
             load_params(peer.replica.params, peer.state.params)
+            if shards:
+                peer.replica.broadcast_local()
         try:
             yield
         finally:
             if self.overlap is not None:
-                self.overlap.restart(peer.replica.params, peer.state.params)
+                self._restart() if shards else self.overlap.restart(peer.replica.params, peer.state.params)
 
     def state_dict(self) -> Optional[dict]:
         return self.overlap.state_dict() if self.overlap is not None else None

@@ -178,14 +178,11 @@ class Replica:
         self._stale = self.shards is not None
         return self.params
 
-    def evaluate(self, batches: Sequence[torch.Tensor], on_host: bool = False) -> float:
+    def evaluate(self, batches: Sequence[torch.Tensor]) -> float:
         """Mean loss of θ_local over ``batches`` (the peer calls it when θ_local is θ_global). Sharded: on the GPUs,
-        each rank a share of the batches through its shards (command EVAL); ``on_host``: on rank 0's host copy
-        instead (with overlap the shards hold θ_local while the host copy is made θ_global for the evaluation)."""
+        each rank a share of the batches through its shards (command EVAL)."""
         if self.shards is None:
             return evaluate(self.model, batches, self.device)
-        if on_host:
-            return evaluate(self.model, batches, torch.device("cpu"))
         self._command(EVAL, len(batches))
         return self._evaluate_shards(batches)
 
