@@ -328,7 +328,7 @@ class Peer:
 
     def _evaluate(self) -> float:
         """Held-out loss of θ_global."""
-        with self.exchange.global_in_model(shards=True):
+        with self.exchange.global_in_model(shards=self.replica.shards is not None):
             return self.replica.evaluate(self.data.eval_batches)
 
     # ------------------------------------------------------------------------------------------------ close

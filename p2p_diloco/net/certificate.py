@@ -70,9 +70,10 @@ def certify(round_: int, digest: str, group: Collection[str], records: Mapping[s
 
     ``prior``: (our round, the group that committed it). Used only when ``round_`` is our round + 1 and we know that
     group; not for the run's last round (``last_round``: its signers may have finished the run, their records gone
-    with their DHT nodes, net/consensus.py alive_of): more than half of that group's members alive or signed, leaving out ourselves (``me``: we did
-    not commit ``round_``, or we would hold it), must be among the signers. No chain is checked when none of them is
-    left (a run resumed by peers with new keys: its group commits by the roster rule too)."""
+    with their DHT nodes, net/consensus.py alive_of): more than half of that group's members alive or signed,
+    leaving out ourselves (``me``: we did not commit ``round_``, or we would hold it), must be among the signers.
+    No chain is checked when none of them is left (a run resumed by peers with new keys: its group commits by the
+    roster rule too)."""
     group = set(group)
     if round_ == 0:
         return Verdict(True, 0, 0, False)  # θ_0: built from the run's settings by everyone, committed by nobody

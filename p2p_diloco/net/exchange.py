@@ -332,8 +332,10 @@ class Exchange:
         try:
             yield
         finally:
-            if self.overlap is not None:
-                self._restart() if shards else self.overlap.restart(peer.replica.params, peer.state.params)
+            if self.overlap is not None and shards:
+                self._restart()  # θ_local on the host, and scattered to the shards
+            elif self.overlap is not None:
+                self.overlap.restart(peer.replica.params, peer.state.params)
 
     def state_dict(self) -> Optional[dict]:
         return self.overlap.state_dict() if self.overlap is not None else None
