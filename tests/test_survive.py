@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hivemind.p2p import PeerID
 
-from p2p_diloco.net.averaging.survive import kept_members, retry_group_id
+from p2p_diloco.net.averaging.survive import PING_S, SETTLE_S, kept_members, retry_group_id, retry_timeouts
 
 
 def _ids(n):
@@ -26,6 +26,67 @@ def test_a_survivor_keeps_itself_and_the_members_it_is_still_connected_to_in_the
     assert kept_members([a, b, c, d], me=b, connected={d, a}) == [0, 1, 3]
     assert kept_members([a, b, c, d], me=b, connected=set()) == [1]  # alone: no retry (survive.py needs two)
     assert kept_members([a, b, c, d], me=c, connected={a, b, d, c}) == [0, 1, 2, 3]  # nobody gone: no retry
+
+
+def test_a_retry_waits_for_survivors_that_learn_of_the_death_a_chunk_timeout_later():
+    """CI: a member behind a failed router; one survivor's connection to it closed and it started the retry 7 s
+    before the two that waited out its parts' timeout; its reducer gave up on their parts at the chunk timeout and
+    the retry failed on all three. The retry's senders and reducers now wait longer by that spread."""
+    kwargs = {"sender_timeout": 5.0, "reducer_timeout": 10.0, "part_size_bytes": 2 ** 19}
+    widened = retry_timeouts(kwargs, next_chunk_timeout=5.0)
+    spread = 5.0 + SETTLE_S + PING_S
+    assert widened == {"sender_timeout": 5.0 + spread, "reducer_timeout": 10.0 + spread, "part_size_bytes": 2 ** 19}
+    assert widened["sender_timeout"] > 7.0 and kwargs["sender_timeout"] == 5.0  # the first attempt's stay
+    assert retry_timeouts({"sender_timeout": None}, 5.0) == {"sender_timeout": None}  # no timeout: none to widen
+
+
+def test_a_survivor_keeps_the_members_it_reaches_again_and_leaves_out_the_dead_and_the_frozen(monkeypatch):
+    """After a failed all-reduce a survivor pings the group's other members (Survivor._survivors). One it is still
+    connected to is kept unless it is silent (frozen); any error is an answer there. One it lost its connection to
+    (32 peers on 2 cores: 4 of 30 survivors lost connections to live members and their retries had other ids) is
+    dialed again and kept only if it answers: a failed dial is a dead member's closed port."""
+    import asyncio
+    import types
+
+    from hivemind.averaging.group_info import GroupInfo
+
+    from p2p_diloco.net.averaging import survive
+
+    monkeypatch.setattr(survive, "SETTLE_S", 0.0)
+    monkeypatch.setattr(survive, "PING_S", 0.3)
+    me, alive, refusing, frozen, redialed, dead, lost = _ids(7)
+    behaviour = {alive: "answer", refusing: "error", frozen: "silent", redialed: "answer", dead: "error",
+                 lost: "silent"}
+
+    class Stub:
+        def __init__(self, peer):
+            self.peer = peer
+
+        async def rpc_ping(self, request):
+            async def stream():
+                if behaviour[self.peer] == "error":
+                    raise ConnectionError("dial failed")
+                if behaviour[self.peer] == "silent":
+                    await asyncio.sleep(10)
+                yield request
+            return stream()
+
+    class P2P:
+        async def list_peers(self):
+            return [types.SimpleNamespace(peer_id=p) for p in (alive, refusing, frozen)]
+
+    class Averager(survive.Survivor):
+        peer_id, prefix, _p2p = me, "run", P2P()
+
+        def get_stub(self, p2p, peer, namespace):
+            return Stub(peer)
+
+    members = (me, alive, refusing, frozen, redialed, dead, lost)
+    group = GroupInfo(b"g" * 20, members, tuple(b"" for _ in members))
+    retry, keep = asyncio.run(Averager()._survivors(group))
+    assert [members[i] for i in keep] == [me, alive, refusing, redialed]
+    assert retry.peer_ids == (me, alive, refusing, redialed)
+    assert retry.group_id == survive.retry_group_id(group.group_id, [me, alive, refusing, redialed])
 
 
 def test_a_follower_gives_up_on_its_leader_only_after_pings_in_a_row_go_unanswered(monkeypatch):

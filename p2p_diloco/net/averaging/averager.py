@@ -48,7 +48,7 @@ from p2p_diloco.net.security.records import PeerSignatureValidator
 from p2p_diloco.net.averaging.screening import accused, member_weights, sane_contribution
 from p2p_diloco.net.averaging.reducer_checks import capped_fractions, sane_bandwidths
 from p2p_diloco.net.averaging.verify import MembersLostParts, PartVerifier
-from p2p_diloco.net.averaging.survive import Survivor
+from p2p_diloco.net.averaging.survive import Survivor, retry_timeouts
 from p2p_diloco.net.averaging.state_pipe import StateBudget, StatePipe, send_tensors, tensor_specs
 from p2p_diloco.errors import first_line
 from p2p_diloco.net.averaging.wire import WireCodec
@@ -145,8 +145,9 @@ class CanonicalAverager(MemberGate, PartVerifier, Survivor, DecentralizedAverage
                                f"{', '.join(p[-6:] for p in lost)}: running it again among them")
             self._fail_waiting_parts(first.group_id, AllreduceException("the group runs again without its dead"))
             await self._restore(snapshot)
-            async with self._registered(group_info):
-                result = await self._attempt(group_info, [gathered[i] for i in keep], min_vector_size, kwargs)
+            async with self._registered(group_info):  # the others may start it up to retry_spread after us
+                result = await self._attempt(group_info, [gathered[i] for i in keep], min_vector_size,
+                                             retry_timeouts(kwargs, self.next_chunk_timeout or 0.0))
             return dict(result, survived=lost)
         except BaseException as e:
             for group in {first.group_id, group_info.group_id}:

@@ -4,7 +4,7 @@ once, among themselves, within the same round attempt.
 Why it is safe. A member that dies before or while sending makes every reducer refuse every sender (a partial
 average is never served, net/averaging/allreduce.py), so no member completes the first attempt. Each survivor then
 waits for the network to show the death (the dead process's connections close: its p2pd dies with it), and keeps the
-members it is still connected to, in the group's order. The retry's group id is derived from the first group's id
+members it is still connected to (or, below, reaches again), in the group's order. The retry's group id is derived from the first group's id
 and the kept members: a survivor whose view differs computes another id, its parts are refused as parts of an
 unknown group, and that retry fails everywhere, as the first attempt did. Every survivor restores its own
 contribution (the first attempt overwrote its buffers with averaged parts it received) and the retry is an ordinary
@@ -18,6 +18,11 @@ confirmed the same averages), so it joins the retry with its own contribution re
 swarm with a reducer killed mid-serving failed that round on all 11 survivors before). If its checks pass (it could
 not reach the members that lost parts, and a majority confirmed), it commits and takes part in no retry: the retry
 fails for lack of its parts, and the others repair from the round it committed.
+
+Under load a survivor also loses its connections to members that are alive (32 peers on 2 cores: 4 of 30 survivors
+kept 28 to 30 of the 31 members left, their retries had other ids, and the retry failed on all 30,
+benchmarks/scale.md): it dials the members it is no longer connected to, and keeps those that answer within
+:data:`PING_S` (a dead member's port is closed: the dial fails at once, or the ping times out).
 
 A stalled member (frozen: no FIN, no RST) stays connected, and the attempt fails only when its parts' timeout passes
 (``averaging.next_chunk_timeout``). Each survivor then pings the members it is still connected to, over its own
@@ -45,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 SETTLE_S = 1.0  # how long a survivor lets the network show a death (closed connections) before it looks
 PING_S = 2.0  # how long a member still connected has to answer a survivor's ping (a frozen one never does)
-GROUP_WAIT_S = 10.0  # how long a part waits for its retry group to be registered by this member
+GROUP_WAIT_S = 10.0  # how long a part waits at least for its retry group to be registered by this member
 ABANDONED = "matchmaking abandoned"  # an attempt whose matchmaking the host ended: nothing was sent (seam.py)
 
 
@@ -55,8 +60,25 @@ def retry_group_id(first_id: bytes, kept: Sequence) -> bytes:
     return digest[:len(first_id)] if first_id else digest
 
 
+def retry_spread(next_chunk_timeout: float) -> float:
+    """How much later than the first survivor the last may start the retry: one whose connection to the dead member
+    closed learns of the death at once, one that waits for the dead member's parts only when their timeout
+    (``next_chunk_timeout``) passes; then each settles and pings (:data:`SETTLE_S`, :data:`PING_S`). Seen in CI
+    (a member behind a failed router): one survivor started 7 s before the other two, its reducer gave up on their
+    parts at the chunk timeout, and the retry failed on all three."""
+    return next_chunk_timeout + SETTLE_S + PING_S
+
+
+def retry_timeouts(kwargs: dict, next_chunk_timeout: float) -> dict:
+    """The all-reduce's keyword arguments for a retry: the reducers wait for the senders' parts, and the senders
+    for the reducers' averages, longer by :func:`retry_spread` (a member truly dead in the retry costs it that)."""
+    spread = retry_spread(next_chunk_timeout)
+    return {**kwargs, **{k: kwargs[k] + spread for k in ("sender_timeout", "reducer_timeout") if kwargs.get(k)}}
+
+
 def kept_members(peer_ids: Sequence, me, connected: set) -> list[int]:
-    """Indices of the members a survivor keeps: itself and those it is still connected to, in the group's order."""
+    """Indices of the members a survivor keeps: itself and those it still reaches (``connected``), in the group's
+    order."""
     return [i for i, p in enumerate(peer_ids) if p == me or p in connected]
 
 
@@ -75,9 +97,11 @@ class Survivor:
         """After a failed all-reduce: the retry group of the members still here, or None (nobody is gone, or fewer
         than two are left)."""
         await asyncio.sleep(SETTLE_S)  # no event tells us a remote process died: its closed connections do
-        connected = {info.peer_id for info in await self._p2p.list_peers()}
-        connected = await self._answering([p for p in group_info.peer_ids if p != self.peer_id and p in connected])
-        keep = kept_members(group_info.peer_ids, self.peer_id, connected)
+        listed = {info.peer_id for info in await self._p2p.list_peers()}
+        others = [p for p in group_info.peer_ids if p != self.peer_id]
+        connected, redialed = await asyncio.gather(self._answering([p for p in others if p in listed]),
+                                                   self._answering([p for p in others if p not in listed], dial=True))
+        keep = kept_members(group_info.peer_ids, self.peer_id, connected | redialed)
         if len(keep) == len(group_info.peer_ids) or len(keep) < 2:
             return None
         kept = [group_info.peer_ids[i] for i in keep]
@@ -85,8 +109,10 @@ class Survivor:
                           tuple(group_info.gathered[i] for i in keep))
         return retry, keep
 
-    async def _answering(self, peers: Sequence) -> set:
-        """Those of ``peers`` that answer a ping within :data:`PING_S`, all at once; any error counts as an answer."""
+    async def _answering(self, peers: Sequence, dial: bool = False) -> set:
+        """Those of ``peers`` that answer a ping within :data:`PING_S`, all at once; any error counts as an answer
+        (a member we are connected to), except with ``dial`` (members we lost our connection to: only an answer
+        keeps them, a failed dial is a dead member's closed port)."""
         async def ping(peer) -> None:
             stream = await self.get_stub(self._p2p, peer, namespace=self.prefix).rpc_ping(
                 averaging_pb2.MessageFromLeader())
@@ -102,6 +128,7 @@ class Survivor:
                 return False
             except Exception as e:  # noqa: BLE001 - refused, or our own p2pd gone: not a frozen member either way
                 logger.debug(f"ping {peer}: {e!r}")
+                return not dial
             return True
 
         answered = await asyncio.gather(*(answers(p) for p in peers))
@@ -123,8 +150,10 @@ class Survivor:
         finally:
             self._running_groups.pop(group_info.group_id, None)
 
-    async def _wait_for_group(self, group_id: bytes, timeout: float = GROUP_WAIT_S) -> None:
-        """A part arrived for a group we have not registered (yet): a retry group a faster survivor started."""
+    async def _wait_for_group(self, group_id: bytes) -> None:
+        """A part arrived for a group we have not registered (yet): a retry group a faster survivor started, up to
+        :func:`retry_spread` before us."""
+        timeout = max(GROUP_WAIT_S, retry_spread(getattr(self, "next_chunk_timeout", None) or 0.0))
         condition = self._conditions()
         with contextlib.suppress(asyncio.TimeoutError):
             async with condition:
