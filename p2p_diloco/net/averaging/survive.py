@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 SETTLE_S = 1.0  # how long a survivor lets the network show a death (closed connections) before it looks
 PING_S = 2.0  # how long a member still connected has to answer a survivor's ping (a frozen one never does)
-GROUP_WAIT_S = 10.0  # how long a part waits at least for its retry group to be registered by this member
+GROUP_WAIT_S = 10.0  # how long a part waits for its retry group to be registered by this member
 ABANDONED = "matchmaking abandoned"  # an attempt whose matchmaking the host ended: nothing was sent (seam.py)
 
 
@@ -150,10 +150,11 @@ class Survivor:
         finally:
             self._running_groups.pop(group_info.group_id, None)
 
-    async def _wait_for_group(self, group_id: bytes) -> None:
-        """A part arrived for a group we have not registered (yet): a retry group a faster survivor started, up to
-        :func:`retry_spread` before us."""
-        timeout = max(GROUP_WAIT_S, retry_spread(getattr(self, "next_chunk_timeout", None) or 0.0))
+    async def _wait_for_group(self, group_id: bytes, timeout: float = GROUP_WAIT_S) -> None:
+        """A part arrived for a group we have not registered (yet): a retry group a faster survivor started. Not
+        longer than :data:`GROUP_WAIT_S`, whatever :func:`retry_spread` is: anyone may send parts for any group id,
+        and an outsider's parts in a private run are answered BAD_GROUP_ID within its call's timeout (test_private;
+        waiting a retry's spread there made the answer a TimeoutError)."""
         condition = self._conditions()
         with contextlib.suppress(asyncio.TimeoutError):
             async with condition:

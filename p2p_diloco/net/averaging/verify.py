@@ -270,13 +270,21 @@ class PartVerifier:
         begun = time.monotonic()
         v.own.set_result(own)
         v.check_settled()  # a group of one has nobody to hear from; others may all have called already
-        calls = [asyncio.create_task(self._call_verify(group_info.group_id, v, j)) for j in sorted(v.expected)]
+        calls = {j: asyncio.create_task(self._call_verify(group_info.group_id, v, j)) for j in sorted(v.expected)}
         try:
             await asyncio.wait_for(v.settled.wait(), timeout=self._verify_deadline())
+            # members our call did not reach that reached us since, with averages other than ours: only their digests
+            # per reducer name whoever equivocated, so each is asked once more (CI: an honest member's two calls
+            # failed at once, the others' calls then brought their hashes alone, and its verdict named nobody)
+            again = [j for j in v._unexplained() if calls[j].done()]
+            if again:
+                recalls = [asyncio.create_task(self._call_verify(group_info.group_id, v, j)) for j in again]
+                calls.update(zip(again, recalls))
+                await asyncio.wait_for(asyncio.gather(*recalls), timeout=self._verify_deadline())
         except asyncio.TimeoutError:
             pass  # the verdict names who is missing
         finally:
-            for call in calls:
+            for call in calls.values():
                 call.cancel()
         v.seconds = time.monotonic() - begun
         verdict = v.verdict()
