@@ -96,3 +96,81 @@ def test_speed_tests_are_bounded_per_peer_not_refused_to_others(process_tag):
     assert _closed_unanswered(over_limit), over_limit
     assert isinstance(others_served, tuple), others_served
     assert isinstance(again, tuple), f"the slot was never given back: {again}"
+
+
+# ---------------------------------------------------------------------------------------------- the warden
+async def _connected(node) -> set:
+    return {info.peer_id for info in await node.list_peers()}
+
+
+async def _until(condition, timeout: float, what: str) -> None:
+    """Await ``condition()`` (a coroutine function); p2pd tells nobody when a connection closes, so it is asked."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await condition():
+        assert asyncio.get_running_loop().time() < deadline, f"not within {timeout:.0f} s: {what}"
+        await asyncio.sleep(0.2)
+
+
+async def _warden_scenario():
+    from p2p_diloco.net.security import warden as wardens
+
+    server = await _node()
+    seen = SimpleNamespace(keys=KEYS, revoked=frozenset(), vouched={})  # what a bootstrap's authorizer holds
+    warden = wardens.Warden(access=lambda: seen)
+    watching = asyncio.create_task(warden.watch(server, lambda: seen))
+    maddrs = [str(m) for m in await server.get_visible_maddrs()]
+    nodes = {}
+    try:
+        for name, keys in (("member", KEYS), ("other_secret", AccessKeys.derive(b"another")), ("silent", None),
+                           ("vouched", None), ("revoked", KEYS)):
+            nodes[name] = node = await _node(maddrs)
+            if keys is not None:  # what start_dht registers on every node of a private swarm
+                await wardens.AnswerMembership(access=lambda k=keys: SimpleNamespace(keys=k))(
+                    None, SimpleNamespace(p2p=node, peer_id=node.peer_id))
+        seen.vouched[nodes["vouched"].peer_id] = KEYS.fingerprint  # it signed a DHT request with the secret
+        ids = {name: node.peer_id for name, node in nodes.items()}
+        strangers = {ids["other_secret"], ids["silent"]}
+        start = asyncio.get_running_loop().time()
+        await _until(lambda: _strangers_gone(server, strangers), 30, "the strangers' connections closed")
+        closed_after = asyncio.get_running_loop().time() - start
+        members = {ids["member"], ids["vouched"], ids["revoked"]}
+        await _until(lambda: _has(warden.members, members), 30, "the members checked")
+        for _ in range(3):  # three more looks: they stay
+            await warden.look(server, lambda: seen)
+        kept = await _connected(server)
+        # a revocation closes a member's connection at the warden's next look
+        seen.revoked = frozenset({ids["revoked"].to_base58()})
+        await _until(lambda: _strangers_gone(server, {ids["revoked"]}), 10, "the revoked member's connection closed")
+        # the stranger with a wrong proof comes back: closed at its next look, not asked again
+        from hivemind.utils.multiaddr import Multiaddr
+
+        await nodes["other_secret"]._client.connect(server.peer_id, [Multiaddr(m.split("/p2p/")[0]) for m in maddrs])
+        await _until(lambda: _strangers_gone(server, {ids["other_secret"]}), 10, "the known stranger closed again")
+        return ids, kept, closed_after, dict(warden.strangers), warden.closed
+    finally:
+        watching.cancel()
+        for node in (*nodes.values(), server):
+            await node.shutdown()
+
+
+async def _strangers_gone(server, peers: set) -> bool:
+    return not (await _connected(server)) & peers
+
+
+async def _has(found: dict, peers: set) -> bool:
+    return peers <= set(found)
+
+
+@pytest.mark.timeout(120)
+def test_a_private_bootstrap_keeps_connections_with_members_only(process_tag):
+    """Its relay serves whoever holds a connection (p2pd has no hook), so the warden closes the connections of peers
+    that neither signed a DHT request with the secret nor answer with a membership proof, and of revoked ones."""
+    from p2p_diloco.net.security.warden import ANSWER_TIMEOUT_S, POLL_S, RETRY_S
+
+    ids, kept, closed_after, strangers, closed = asyncio.run(_warden_scenario())
+    assert {ids["member"], ids["vouched"], ids["revoked"]} <= kept  # members stay connected
+    assert not kept & {ids["other_secret"], ids["silent"]}
+    # a node without the protocol is closed after its second try; none here stalls its answer
+    assert closed_after < POLL_S + RETRY_S + ANSWER_TIMEOUT_S, closed_after
+    assert set(strangers) == {ids["other_secret"], ids["silent"]}  # closed at sight when they come back
+    assert closed >= 4  # two strangers, the revoked member, the stranger's return

@@ -4,6 +4,7 @@ the bootstrap node is the run's relay. Skipped only where namespaces or nftables
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -233,3 +234,66 @@ def _start_doctor(net: Internet, initial_peer: str, tmp_path: Path) -> subproces
     return subprocess.Popen([*host.exec_prefix, sys.executable, "-m", "p2p_diloco", "doctor", "--initial-peers",
                              initial_peer, f"--run.run_dir={tmp_path / 'doctor'}"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _longest(samples: list, index: int) -> float:
+    """The longest stretch of consecutive samples whose field ``index`` is true, in seconds."""
+    longest, since = 0.0, None
+    for sample in samples:
+        if sample[index]:
+            since = sample[0] if since is None else since
+            longest = max(longest, sample[0] - since)
+        else:
+            since = None
+    return longest
+
+
+@pytest.mark.timeout(240)
+def test_a_private_swarms_relay_carries_its_members_and_closes_strangers(tmp_path, process_tag):
+    """Two homes holding the secret average through the private bootstrap's relay, while a stranger behind a third
+    NAT reserves a slot there and dials again whenever it is dropped: the bootstrap's warden closes each of its
+    connections within its bound (net/security/warden.py); the members' relayed connections stay."""
+    from p2p_diloco.net.security.warden import ANSWER_TIMEOUT_S, POLL_S, RETRY_S, TRIES
+
+    secret = tmp_path / "secret"
+    secret.write_text("the homes' secret\n")
+    watched = 40.0
+    with Internet() as net:
+        swarm = LabSwarm(tmp_path, net, rounds=4, expected_peers=2)
+        try:
+            swarm.start_bootstrap(f"--network.secret_file={secret}")
+            for name in ("home0", "home1"):
+                swarm.start_peer(name, f"--network.secret_file={secret}", home=True)
+            host = net.add_home("stranger")
+            report = tmp_path / "stranger.json"
+            stranger = subprocess.Popen(
+                [*host.exec_prefix, sys.executable, str(Path(__file__).parent / "relay_stranger.py"),
+                 "--relay", swarm.initial_peer, "--seconds", str(watched), "--out", str(report)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            try:
+                output = stranger.communicate(timeout=watched + 60)[0]
+            finally:
+                if stranger.poll() is None:
+                    os.killpg(stranger.pid, signal.SIGKILL)
+                    stranger.wait()
+            _wait(lambda: not any(swarm.running(n) for n in ("home0", "home1")), 150, "the homes", swarm)
+            committed = swarm.committed()
+            modes = {name: _mode(swarm, name) for name in ("home0", "home1")}
+            boot_log = (tmp_path / "bootstrap.log").read_text()
+        finally:
+            swarm.close()
+    assert stranger.returncode == 0, output
+    seen = json.loads(report.read_text())
+    samples = seen["samples"]
+    assert modes == {"home0": "relayed", "home1": "relayed"}
+    for number in range(1, 5):  # the members' relayed all-reduce is untouched
+        assert set(committed[number]) == {"home0", "home1"}, committed[number].keys()
+        assert len({r["global_params_sha256"] for r in committed[number].values()}) == 1
+    bound = POLL_S + TRIES * ANSWER_TIMEOUT_S + RETRY_S + 2.0  # + p2pd's answers on a loaded machine
+    connections = sum(1 for a, b in zip(samples, samples[1:]) if b[1] and not a[1]) + bool(samples and samples[0][1])
+    assert connections >= 2, samples  # it came back and was closed again
+    assert _longest(samples, 1) < bound, samples  # p2pd alone keeps it for the whole run
+    assert _longest(samples, 2) < bound, samples  # and its reservation goes with its connection
+    again = [s for s in samples if s[0] > bound]  # once known, each new connection is closed at the next look
+    assert _longest(again, 1) < POLL_S + 3.0, samples  # + p2pd's answers on a loaded machine
+    assert f"warden: closed the connection of {seen['peer_id'][:16]}" in boot_log, boot_log[-3000:]

@@ -24,6 +24,7 @@ from p2p_diloco.net.security.auth import REVOKED_KEY, Access, bind_remote_peers
 from p2p_diloco.net.security.identity import RSA
 from p2p_diloco.net.security.records import PeerSignatureValidator, provide_identity
 from p2p_diloco.net.security.schema import RunRecordValidator
+from p2p_diloco.net.security.warden import AnswerMembership
 from p2p_diloco.errors import JoinError
 from p2p_diloco.net.failfast import FailFast, HelperDied
 from p2p_diloco.ops.procs import become_child_process, end_hard, subprocesses_die_with_us
@@ -199,6 +200,8 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
         dht = _start(cfg, access, identity, identity_file, check_identity, client_mode, force_reachability, relays)
     finally:
         forget_file()  # p2pd read it at start (a key we generated: nobody else ever sees it)
+    if access is not None:  # a private bootstrap keeps connections with members only (net/security/warden.py)
+        dht.run_coroutine(AnswerMembership())
     dht.daemon_socket = _daemon_socket(dht, cfg.join_timeout)
     # a restart (net/supervise.py) keeps who we are: the same identity, even one generated for this process alone
     dht.relaunch = lambda host_maddrs: start_dht(replace(cfg, host_maddrs=list(host_maddrs)), client_mode=client_mode,

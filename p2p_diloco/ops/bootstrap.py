@@ -76,10 +76,13 @@ class _Node:
     def start(self, dht):
         from p2p_diloco.net.dht import visible_maddrs
         from p2p_diloco.net.supervise import Supervisor, Watch
+        from p2p_diloco.net.security.warden import Warden
         from p2p_diloco.ops.doctor import ServeSpeedTest
 
         self.dht = dht
         dht.run_coroutine(ServeSpeedTest(_swarm_keys(self.cfg)))  # for p2p-diloco doctor's throughput line
+        if _swarm_keys(self.cfg) is not None:  # its relay for members only (p2pd has no hook: the warden closes)
+            dht.run_coroutine(Warden())
         if self.maddrs_file:
             _write_atomically(self.maddrs_file, "\n".join(visible_maddrs(dht)) + "\n")
         watch = Watch(dht)

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 REVOKED_KEY = "_p2p_diloco.revoked"
 REVOKED_TTL = 30 * 24 * 3600.0  # s a revocation record lives in the DHT (write it again to extend)
+VOUCHED_KEPT = 4096  # senders of signed DHT requests a node remembers (net/security/warden.py)
 REFRESH_S = 5.0  # s between two reads of the revocation list on a bootstrap node
 REMOTE_PEER: contextvars.ContextVar[Optional[PeerID]] = contextvars.ContextVar("remote_peer", default=None)
 
@@ -45,6 +46,9 @@ class HMACAuthorizer(AuthorizerBase):
         self.keys, self.revoked = keys, frozenset(revoked)
         self.refused = 0
         self._guard = ReplayGuard()
+        # PeerID -> fingerprint of the secret one of its DHT requests was signed with (net/security/warden.py keeps
+        # a private bootstrap's connections with these; the oldest forgotten first)
+        self.vouched: dict = {}
 
     def update(self, keys: AccessKeys, revoked: frozenset) -> None:
         self.keys, self.revoked = keys, frozenset(revoked)
@@ -64,6 +68,11 @@ class HMACAuthorizer(AuthorizerBase):
             return self._refuse(f"DHT request from {remote} without this run's secret")
         if not self._guard.fresh(auth.time, auth.nonce, get_dht_time()):
             return self._refuse(f"DHT request from {remote} replayed or out of the time window")
+        if remote is not None:
+            self.vouched.pop(remote, None)
+            self.vouched[remote] = self.keys.fingerprint
+            if len(self.vouched) > VOUCHED_KEPT:
+                del self.vouched[next(iter(self.vouched))]
         return True
 
     async def sign_response(self, response, request) -> None:
