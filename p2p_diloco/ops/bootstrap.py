@@ -8,7 +8,8 @@ public`` (the default here: a bootstrap node must be reachable anyway) its p2pd 
 relayed connections of up to 30 min and 4 GiB each way, 16 per peer. hivemind 1.1.12's p2pd then races, at
 start-up, between that relay and go-libp2p's default one (2 min, 128 KiB per relayed connection: useless for an
 all-reduce): the node asks its own relay for its limits and restarts p2pd until the large one serves
-(net/nat.py).
+(net/nat.py). In a private swarm its warden keeps connections, and so the relay, with members only
+(net/security/warden.py).
 """
 
 from __future__ import annotations
