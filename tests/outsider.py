@@ -9,7 +9,8 @@ wait for it), joining a group (rpc_join_group, with a proof made from its secret
 (rpc_aggregate_part) and downloading the state (rpc_admit, then rpc_download_state). With ``--forge PEER_ID``
 (another member's), it only writes a roster entry in that member's name, far ahead of the run (round 999, another
 digest, not leaving), unsigned and signed with its own key, through the DHT and straight to the target, then reads
-the target's roster back. Each outcome goes into the JSON report: what the member answered, never what the outsider
+the target's roster back; and it stores a revocation of that member made with the secret alone (no revoker's
+signature) straight to the target, then reads the target's list back. Each outcome goes into the JSON report: what the member answered, never what the outsider
 hoped.
 """
 
@@ -73,7 +74,7 @@ class _Attempts:
         out = {}
         attempts = (("dht_read", self.read_roster), ("dht_write", self.write_roster), ("join_group", self.join_group),
                     ("upload", self.upload), ("download", self.download))
-        for name, attempt in ((("forge", self.forge),) if self.victim else attempts):
+        for name, attempt in ((("forge", self.forge), ("revoke", self.revoke)) if self.victim else attempts):
             try:
                 out[name] = await asyncio.wait_for(attempt(node, target), 20)
             except Exception as e:
@@ -136,6 +137,23 @@ class _Attempts:
         entry = entries.get(self.victim) if entries else None
         visible = entry is not None and b"forged" in entry.value
         return f"dht store {through_dht}, direct store {direct}, " + ("visible" if visible else "not visible")
+
+    async def revoke(self, node, target) -> str:
+        """A revocation of that member, MAC'd with the secret but signed by none of the run's revokers, stored
+        straight to the target; is it in the target's revocation list then?"""
+        from hivemind.dht.routing import DHTID
+        from hivemind.utils.timed_storage import get_dht_time
+
+        from p2p_diloco.net.security.access import AccessKeys
+        from p2p_diloco.net.security.auth import REVOKED_KEY
+
+        record = AccessKeys.derive(self.secret.encode()).revocation(self.victim)
+        key_id, ser, expiration = DHTID.generate(source=REVOKED_KEY), node.protocol.serializer, get_dht_time() + 300
+        direct = await node.protocol.call_store(target, [key_id], [ser.dumps(record)], expiration,
+                                                subkeys=[self.victim])
+        found = await node.protocol.call_find(target, [key_id])
+        entries = found[key_id][0].value if found and found[key_id][0] is not None else {}
+        return f"direct store {direct}, " + ("visible" if entries and self.victim in entries else "not visible")
 
     async def join_group(self, node, target) -> str:
         from hivemind.proto import averaging_pb2

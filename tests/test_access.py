@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from p2p_diloco.config import ConfigError, load_config
-from p2p_diloco.net.security.access import AccessKeys, ReplayGuard, _hkdf, read_secret
+from p2p_diloco.net.security.access import AccessKeys, ReplayGuard, _hkdf, ed25519_public_key, read_secret
 
 PEER_A, PEER_B = b"\x00\x24peer-a-bytes", b"\x00\x24peer-b-bytes"
 
@@ -46,6 +46,33 @@ def test_revocation_records_need_the_secret_and_name_their_peer():
     forged = AccessKeys.derive(b"guess").revocation("QmPeerC", at=1000.0)
     records = {"QmPeerA": record, "QmPeerB": record, "QmPeerC": forged, "QmPeerD": {"at": 1.0}, "QmPeerE": "x"}
     assert keys.revoked_peers(records) == {"QmPeerA"}, "a record moved to another peer, or forged, must not count"
+
+
+@pytest.mark.timeout(10)
+def test_with_revokers_a_revocation_needs_one_of_their_signatures_too():
+    """A member holds the secret, so it can MAC any revocation: a run that names its revokers takes only the ones
+    one of them signed (their Ed25519 keys are in their PeerIDs), for that peer and time, under that secret."""
+    from p2p_diloco.net.security.identity import Identity
+
+    operator, member, rsa_like = Identity.generate(), Identity.generate(), "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    victim = Identity.generate().peer_id_b58
+    keys = AccessKeys.derive(b"s3cret", revokers=(operator.peer_id_b58,))
+    signed = keys.revocation(victim, at=1000.0, signer=operator)
+    assert keys.is_revocation(victim, signed)
+    assert not keys.is_revocation(victim, AccessKeys.derive(b"s3cret").revocation(victim, at=1000.0)), \
+        "a member's record (MAC'd with the secret, unsigned) no longer revokes"
+    assert not keys.is_revocation(victim, keys.revocation(victim, at=1000.0, signer=member)), "signed by a non-revoker"
+    assert not keys.is_revocation(victim, {**signed, "by": member.peer_id_b58}), "the signature names its signer"
+    assert not keys.is_revocation(member.peer_id_b58, signed), "moved to another peer"
+    assert not keys.is_revocation(victim, {**signed, "at": 2000.0}), "another time"
+    assert not keys.is_revocation(victim, {**signed, "sig": "00" * 64}), "a made-up signature"
+    other_secret = AccessKeys.derive(b"another", revokers=(operator.peer_id_b58,))
+    assert not other_secret.is_revocation(victim, other_secret.revocation(victim, 1000.0, signer=operator) | {
+        "sig": signed["sig"]}), "a signature under another secret"
+    # without revokers, any holder of the secret revokes (and a signed record still counts)
+    assert AccessKeys.derive(b"s3cret").is_revocation(victim, signed)
+    assert ed25519_public_key(operator.peer_id_b58) is not None and ed25519_public_key(rsa_like) is None
+    assert ed25519_public_key("not base58 0OIl") is None
 
 
 @pytest.mark.timeout(10)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from p2p_diloco.net.security.identity import Identity
 from p2p_diloco.ops.metrics import read_jsonl
 from p2p_diloco.ops.procs import stop_groups
 from p2p_diloco.ops.swarm import LocalSwarm
@@ -55,16 +56,19 @@ def private_run(tmp_path_factory, module_process_tag):
     run_dir = tmp_path_factory.mktemp("private")
     secret_file = run_dir / "secret"
     secret_file.write_text(SECRET + "\n")
-    swarm = LocalSwarm(run_dir, peer_args=[f"--network.secret_file={secret_file}", *PEER_ARGS])
+    operator = Identity.generate()  # the run's one revoker: members cannot revoke each other
+    operator.write(str(run_dir / "operator.key"))
+    access = [f"--network.secret_file={secret_file}", f"--network.revokers={operator.peer_id_b58}"]
+    swarm = LocalSwarm(run_dir, peer_args=[*access, *PEER_ARGS])
     try:
-        swarm.start_bootstrap(extra_args=[f"--network.secret_file={secret_file}"])
+        swarm.start_bootstrap(extra_args=access)
         for name in ("peer0", "peer1"):
             swarm.start_peer(name)
         _wait(lambda: all(any(r["committed"] for r in _rounds(run_dir, n)) for n in ("peer0", "peer1")), 90,
               "both members to commit a round")
         prefix = re.search(r"group key prefix (\S+)\)", _log(run_dir, "peer0")).group(1)
         target = (run_dir / "peer0" / "maddrs.txt").read_text().split()[-1]  # the loopback address
-        yield swarm, dict(run_dir=run_dir, secret_file=secret_file, prefix=prefix, target=target)
+        yield swarm, dict(run_dir=run_dir, secret_file=secret_file, prefix=prefix, target=target, access=access)
     finally:
         swarm.close()
 
@@ -118,7 +122,10 @@ def test_outsiders_are_refused_everywhere_and_the_members_rounds_are_their_own(p
                                 "forger": {"secret": SECRET, "forge": victim}})
     allowed = reports.pop("member")
     # a member cannot write in another member's name: refused by its own node, by the target, and not stored
-    assert reports.pop("forger")["forge"] == "dht store False, direct store [False], not visible"
+    forger = reports.pop("forger")
+    assert forger["forge"] == "dht store False, direct store [False], not visible"
+    # nor revoke another member: the secret alone does not make a revocation in a run with revokers
+    assert forger["revoke"] == "direct store [False], not visible", forger
     for case, report in reports.items():
         _assert_refused(report)
     # a holder of the secret: everything works (the probe is real) ...
@@ -135,10 +142,14 @@ def test_outsiders_are_refused_everywhere_and_the_members_rounds_are_their_own(p
                               stderr=subprocess.DEVNULL, text=True, start_new_session=True)
 
     # ... until it is revoked, without restarting anyone
-    with open(run_dir / "revoke.log", "w") as log:
-        revoke = subprocess.Popen([sys.executable, "-m", "p2p_diloco", "revoke", member_id, "--initial-peers",
-                                   _bootstrap(info), f"--network.secret_file={info['secret_file']}",
-                                   "--network.host_maddrs=/ip4/127.0.0.1/tcp/0"], stdout=log,
+    command = [sys.executable, "-m", "p2p_diloco", "revoke", member_id, "--initial-peers", _bootstrap(info),
+               *info["access"], "--network.host_maddrs=/ip4/127.0.0.1/tcp/0"]
+    # a member (its own key) may not revoke: one line, exit 2, nothing stored
+    by_member = subprocess.run([*command, f"--network.identity_path={identity}"], capture_output=True, text=True,
+                               timeout=60)
+    assert by_member.returncode == 2 and "is not among network.revokers" in by_member.stderr, by_member
+    with open(run_dir / "revoke.log", "w") as log:  # the operator, one of the run's revokers, may
+        revoke = subprocess.Popen([*command, f"--network.identity_path={run_dir / 'operator.key'}"], stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
         assert revoke.wait(timeout=60) == 0, _log(run_dir, "revoke")
@@ -161,6 +172,8 @@ def test_outsiders_are_refused_everywhere_and_the_members_rounds_are_their_own(p
     # nobody took the forged entry (round 999) for peer1's: no repair toward it, not in `p2p-diloco status`
     assert f"ignored a DHT record in the name of {victim}" in _log(run_dir, "peer0")
     assert not any("round 999" in _log(run_dir, n) for n in ("peer0", "peer1")), "a member believed the forgery"
+    assert not any(victim in "".join(re.findall(r"revoked peers: .*", _log(run_dir, n)))
+                   for n in ("bootstrap", "peer0", "peer1")), "a member's unsigned revocation was taken"
     peers = {p["peer_id"]: p for run in json.loads(view)["runs"] for p in run["peers"]}
     assert victim in peers and peers[victim]["name"] == "peer1" and peers[victim]["round"] < 999, view
 

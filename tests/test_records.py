@@ -158,3 +158,11 @@ def test_a_private_node_refuses_revocations_not_signed_with_the_secret():
     assert node.validate(_record("revoked", B.peer_id_b58, good))
     assert not node.validate(_record("revoked", B.peer_id_b58, {**good, "at": 2000.0})), "forged"
     assert not node.validate(_record("revoked", B.peer_id_b58, {"garbage": 1})), "malformed"
+    # a run with revokers: a member's record (the secret's MAC, no revoker's signature) is refused on store too
+    strict = RunRecordValidator({"revoked": "revoked"}, AccessKeys.derive(b"secret", revokers=(A.peer_id_b58,)))
+    assert not strict.validate(_record("revoked", B.peer_id_b58, good)), "unsigned"
+    signed = strict.revocation_keys.revocation(B.peer_id_b58, 1000.0, signer=A)
+    assert strict.validate(_record("revoked", B.peer_id_b58, signed))
+    assert check("revoked", B.peer_id_b58, signed) == (B.peer_id_b58, signed)
+    with pytest.raises(RecordError):
+        check("revoked", B.peer_id_b58, {**signed, "by": "x" * 500})

@@ -223,6 +223,12 @@ def _readable_secret(path: str) -> bool:
     return True
 
 
+def _ed25519_peer_ids(peers: list) -> bool:
+    from p2p_diloco.net.security.access import ed25519_public_key
+
+    return all(isinstance(p, str) and ed25519_public_key(p) is not None for p in peers)
+
+
 @dataclass
 class NetworkConfig:
     """How this node reaches the swarm. Names mirror hivemind.DHT's arguments."""
@@ -259,6 +265,11 @@ class NetworkConfig:
     secret_file: Optional[str] = _f(None, "file holding the secret (surrounding whitespace ignored); read at start "
                                     "and again with every roster heartbeat, so that a new secret written to it "
                                     "replaces the old one without a restart", check=_readable_secret)
+    revokers: list[str] = _f([], "a private run's revokers: Ed25519 peer ids (12D3KooW..., e.g. the bootstrap "
+                             "node's, which it prints) one of which must sign a revocation ('p2p-diloco revoke' "
+                             "signs with network.identity_path); every member and bootstrap must be given the same "
+                             "list. Empty: any holder of the secret may revoke any member",
+                             check=_ed25519_peer_ids, rule="expected Ed25519 peer ids (12D3KooW...)")
 
 
 @dataclass

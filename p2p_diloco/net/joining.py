@@ -61,10 +61,11 @@ def access(peer):
         peer.log.warning("open run: anyone who can reach a peer may join, upload into the average and download "
                          "the model (set network.secret_file to make it private)")
         return None
-    rules = Access(net.secret, net.secret_file, peer.cfg.run.run_id)
+    rules = Access(net.secret, net.secret_file, peer.cfg.run.run_id, net.revokers)
     rules.refresh(peer.dht, peer.cfg.averaging.request_timeout)
+    who = f"{len(net.revokers)} revoker(s)" if net.revokers else "any member (network.revokers is empty)"
     peer.log.info(f"private run: members only (secret {rules.keys.fingerprint}, {len(rules.revoked)} revoked "
-                  f"peer(s))")
+                  f"peer(s); revocations signed by {who})")
     return rules
 
 

@@ -43,6 +43,8 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u20
 _HEX = re.compile(r"[0-9a-f]{0,128}")
 _PREFIX = re.compile(r"[A-Za-z0-9_-]{1,200}")
 _MAC = re.compile(r"[0-9a-f]{64}")
+_SIG = re.compile(r"[0-9a-f]{128}")  # an Ed25519 signature, hex
+_PEER = re.compile(r"[1-9A-HJ-NP-Za-km-z]{40,60}")  # a base58 PeerID
 _SETTING = re.compile(r"[a-z0-9_]{1,32}\.[a-z0-9_]{1,64}")
 
 DROPPED: dict[tuple[str, str], int] = {}  # (kind, reason) -> records dropped by this process
@@ -204,7 +206,11 @@ def revocation_entry(subkey: Any, value: Any) -> tuple[str, dict]:
         raise RecordError("at is not a float")
     real(v["at"], "at", 0.0, 1e11)
     text(v.get("mac"), "mac", 64, _MAC)
-    return peer, {"at": v["at"], "mac": v["mac"]}
+    out = {"at": v["at"], "mac": v["mac"]}
+    if "by" in v or "sig" in v:  # signed by one of the run's revokers (net/security/access.py)
+        out["by"] = text(v.get("by"), "by", 60, _PEER)
+        out["sig"] = text(v.get("sig"), "sig", 128, _SIG)
+    return peer, out
 
 
 def commits_entry(subkey: Any, value: Any) -> tuple[str, list[tuple[int, str]]]:

@@ -123,7 +123,7 @@ def _serve(node: _Node, cfg: NetworkConfig, stop_event: threading.Event, echo: C
     if cfg.secret is None and cfg.secret_file is None:
         echo("open swarm: this node answers anyone (set network.secret_file to serve a private run's members only)")
     else:
-        access = Access(cfg.secret, cfg.secret_file)
+        access = Access(cfg.secret, cfg.secret_file, revokers=cfg.revokers)
         echo(f"private swarm: this node answers holders of secret {access.keys.fingerprint} only")
     refreshed = time.monotonic()
     while not stop_event.wait(CHECK_EVERY_S):  # the node's helpers and the list in the DHT: no event, so poll

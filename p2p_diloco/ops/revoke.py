@@ -2,10 +2,13 @@
 
 It joins the swarm's DHT as a client (with the secret), stores a revocation record of the peer, and exits. Every
 peer and bootstrap node reads the list within a roster heartbeat (or net/auth.REFRESH_S) and refuses the peer from then on.
+In a run with ``network.revokers``, the record is signed with the key at ``network.identity_path``, which must be
+one of them (the DHT node it joins with has a fresh identity: the revoker's own node may be running).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from p2p_diloco.config import ConfigError, NetworkConfig
@@ -28,13 +31,34 @@ def run_revoke(cfg: NetworkConfig, peer: str, echo: Callable[[str], None]) -> in
         PeerID.from_base58(peer)
     except ValueError:
         raise ConfigError(f"revoke: {peer!r} is not a peer id (e.g. 12D3KooW... or Qm..., as in the roster)") from None
-    access = Access(cfg.secret, cfg.secret_file)
-    dht = start_dht(cfg, client_mode=True)
+    signer = _revoker(cfg)
+    access = Access(cfg.secret, cfg.secret_file, revokers=cfg.revokers)
+    dht = start_dht(replace(cfg, identity_path=None), client_mode=True)
     try:
-        if revoke(dht, access.keys, peer, STORE_TIMEOUT):
+        if revoke(dht, access.keys, peer, STORE_TIMEOUT, signer):
             echo(f"revoked {peer}: peers refuse it within seconds (a roster heartbeat)")
             return 0
         echo(f"revoke: the DHT did not confirm the record within {STORE_TIMEOUT:.0f} s; try again")
         return 1
     finally:
         dht.shutdown()
+
+
+def _revoker(cfg: NetworkConfig):
+    """The identity that signs the record: one of ``network.revokers``, read from ``network.identity_path``; None in
+    a run without revokers."""
+    if not cfg.revokers:
+        return None
+    from p2p_diloco.net.security.identity import Identity, IdentityError
+
+    if not cfg.identity_path:
+        raise ConfigError("revoke: this run has network.revokers: give the key of one of them with "
+                          "--network.identity_path")
+    try:
+        signer = Identity.load(cfg.identity_path)
+    except IdentityError as e:
+        raise ConfigError(f"revoke: network.identity_path: {e}") from None
+    if signer.peer_id_b58 not in cfg.revokers:
+        raise ConfigError(f"revoke: {signer.peer_id_b58} (network.identity_path) is not among network.revokers: "
+                          f"peers would ignore its revocation")
+    return signer

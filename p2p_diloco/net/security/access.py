@@ -10,7 +10,9 @@ Keys (HKDF-SHA256, RFC 5869, over the shared secret):
 libp2p authenticates the remote PeerID of every connection, so a proof is worth something only to the peer it names:
 a member checks the proof against the connection's PeerID, never against what the message claims. What a secret
 holder can compute, any secret holder can: this keeps outsiders (no secret, an old secret) out, and revocation
-(a list of PeerIDs every node refuses) removes one member without a new secret.
+(a list of PeerIDs every node refuses) removes one member without a new secret. So that a member cannot revoke the
+others, a run names its **revokers** (``network.revokers``: Ed25519 PeerIDs, whose public key the PeerID holds):
+a revocation then also needs one of them to have signed it (:meth:`AccessKeys.revocation` with ``signer``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+import base58
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from p2p_diloco.config.fields import ConfigError
@@ -68,12 +73,13 @@ class AccessKeys:
     member: bytes
     run_id: str
     fingerprint: str
+    revokers: tuple = ()  # base58 Ed25519 PeerIDs one of which must sign a revocation; empty: any secret holder
 
     @classmethod
-    def derive(cls, secret: bytes, run_id: str = "") -> "AccessKeys":
+    def derive(cls, secret: bytes, run_id: str = "", revokers=()) -> "AccessKeys":
         return cls(dht=_hkdf(secret, b"dht"), revoke=_hkdf(secret, b"revoke"),
                    member=_hkdf(secret, b"member|" + run_id.encode()), run_id=run_id,
-                   fingerprint=_hkdf(secret, b"fingerprint", 4).hex())
+                   fingerprint=_hkdf(secret, b"fingerprint", 4).hex(), revokers=tuple(revokers))
 
     def proof(self, peer_id: bytes) -> bytes:
         """This run's membership proof for ``peer_id`` (the raw bytes of a libp2p PeerID)."""
@@ -91,20 +97,55 @@ class AccessKeys:
         return hmac.compare_digest(self.sign_message(kind, body), signature)
 
     # ---------------------------------------------------------------------------------------- revocation
-    def revocation(self, peer: str, at: Optional[float] = None) -> dict:
-        """A record saying that ``peer`` (base58 PeerID) is no longer a member, as of ``at`` (unix time)."""
+    def revocation(self, peer: str, at: Optional[float] = None, signer=None) -> dict:
+        """A record saying that ``peer`` (base58 PeerID) is no longer a member, as of ``at`` (unix time); with
+        ``signer`` (an identity with ``peer_id_b58`` and ``sign``: net/security/identity.py), signed by it too."""
         at = time.time() if at is None else float(at)
-        return {"at": at, "mac": _mac(self.revoke, b"revoke", peer.encode(), repr(at).encode()).hex()}
+        record = {"at": at, "mac": _mac(self.revoke, b"revoke", peer.encode(), repr(at).encode()).hex()}
+        if signer is not None:
+            record["by"] = signer.peer_id_b58
+            record["sig"] = signer.sign(self._revocation_message(peer, at)).hex()
+        return record
 
     def is_revocation(self, peer: str, record) -> bool:
         if not isinstance(record, Mapping) or not isinstance(record.get("at"), float):
             return False
-        expected = self.revocation(peer, record["at"])["mac"]
-        return isinstance(record.get("mac"), str) and hmac.compare_digest(expected, record["mac"])
+        expected = _mac(self.revoke, b"revoke", peer.encode(), repr(record["at"]).encode()).hex()
+        if not (isinstance(record.get("mac"), str) and hmac.compare_digest(expected, record["mac"])):
+            return False
+        if not self.revokers:
+            return True
+        by, sig = record.get("by"), record.get("sig")
+        return by in self.revokers and isinstance(sig, str) and ed25519_verify(
+            by, self._revocation_message(peer, record["at"]), sig)
+
+    def _revocation_message(self, peer: str, at: float) -> bytes:
+        return b"|".join((b"p2p-diloco revocation v1", self.fingerprint.encode(), peer.encode(), repr(at).encode()))
 
     def revoked_peers(self, records: Mapping[str, object]) -> set[str]:
         """The peers (base58) of the valid records among ``records`` (peer → record); forged ones are ignored."""
         return {peer for peer, record in records.items() if self.is_revocation(str(peer), record)}
+
+
+ED25519_PEER_ID = bytes.fromhex("002408011220")  # identity multihash of a PublicKey{Ed25519, 32 bytes} protobuf
+
+
+def ed25519_public_key(peer: str) -> Optional[bytes]:
+    """The 32-byte public key an Ed25519 PeerID (base58, ``12D3KooW...``) holds; None for anything else."""
+    try:
+        raw = base58.b58decode(peer.encode() if isinstance(peer, str) else b"")
+    except ValueError:
+        return None
+    return raw[len(ED25519_PEER_ID):] if len(raw) == 38 and raw.startswith(ED25519_PEER_ID) else None
+
+
+def ed25519_verify(peer: str, message: bytes, signature_hex: str) -> bool:
+    key = ed25519_public_key(peer)
+    try:
+        ed25519.Ed25519PublicKey.from_public_bytes(key).verify(bytes.fromhex(signature_hex), message)
+        return key is not None
+    except (InvalidSignature, ValueError, TypeError):
+        return False
 
 
 class ReplayGuard:

@@ -133,10 +133,10 @@ class Access:
     """A node's view of the swarm's access rules: the secret's keys (re-read from ``network.secret_file`` by
     :meth:`refresh`) and the revoked peers. None of it exists in an open run: use :func:`open_access`."""
 
-    def __init__(self, secret: Optional[str], secret_file: Optional[str], run_id: str = ""):
-        self.secret, self.secret_file, self.run_id = secret, secret_file, run_id
+    def __init__(self, secret: Optional[str], secret_file: Optional[str], run_id: str = "", revokers=()):
+        self.secret, self.secret_file, self.run_id, self.revokers = secret, secret_file, run_id, tuple(revokers)
         self._secret = read_secret(secret, secret_file)
-        self.keys = AccessKeys.derive(self._secret, run_id)
+        self.keys = AccessKeys.derive(self._secret, run_id, self.revokers)
         self.revoked: frozenset = frozenset()
 
     def authorizer(self) -> HMACAuthorizer:
@@ -153,7 +153,7 @@ class Access:
             return False
         if secret == self._secret:
             return False
-        self._secret, self.keys = secret, AccessKeys.derive(secret, self.run_id)
+        self._secret, self.keys = secret, AccessKeys.derive(secret, self.run_id, self.revokers)
         logger.warning(f"network.secret_file changed: now using secret {self.keys.fingerprint}; peers still holding "
                        f"the old one are outsiders from now on")
         return True
@@ -206,9 +206,10 @@ class IsRevoked:
         return self.peer in getattr(node.protocol.authorizer, "revoked", ())
 
 
-def revoke(dht, keys: AccessKeys, peer: str, timeout: float) -> bool:
-    """Store a revocation record of ``peer`` (base58 PeerID); True if the DHT confirmed it within ``timeout``."""
+def revoke(dht, keys: AccessKeys, peer: str, timeout: float, signer=None) -> bool:
+    """Store a revocation record of ``peer`` (base58 PeerID), signed by ``signer`` (one of the run's revokers) if
+    given; True if the DHT confirmed it within ``timeout``."""
     PeerID.from_base58(peer)  # raises ValueError for a string that is not a PeerID
-    future = dht.store(REVOKED_KEY, subkey=peer, value=keys.revocation(peer, time.time()),
+    future = dht.store(REVOKED_KEY, subkey=peer, value=keys.revocation(peer, time.time(), signer),
                        expiration_time=get_dht_time() + REVOKED_TTL, return_future=True)
     return bool(future.result(timeout=timeout))
