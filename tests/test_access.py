@@ -41,9 +41,12 @@ def test_a_proof_is_bound_to_its_peer_its_run_and_its_secret():
 
 @pytest.mark.timeout(10)
 def test_revocation_records_need_the_secret_and_name_their_peer():
-    keys = AccessKeys.derive(b"s3cret")
-    record = keys.revocation("QmPeerA", at=1000.0)
-    forged = AccessKeys.derive(b"guess").revocation("QmPeerC", at=1000.0)
+    from p2p_diloco.net.security.identity import Identity
+
+    operator = Identity.generate()
+    keys = AccessKeys.derive(b"s3cret", revokers=(operator.peer_id_b58,))
+    record = keys.revocation("QmPeerA", at=1000.0, signer=operator)
+    forged = AccessKeys.derive(b"guess", revokers=(operator.peer_id_b58,)).revocation("QmPeerC", 1000.0, operator)
     records = {"QmPeerA": record, "QmPeerB": record, "QmPeerC": forged, "QmPeerD": {"at": 1.0}, "QmPeerE": "x"}
     assert keys.revoked_peers(records) == {"QmPeerA"}, "a record moved to another peer, or forged, must not count"
 
@@ -69,8 +72,8 @@ def test_with_revokers_a_revocation_needs_one_of_their_signatures_too():
     other_secret = AccessKeys.derive(b"another", revokers=(operator.peer_id_b58,))
     assert not other_secret.is_revocation(victim, other_secret.revocation(victim, 1000.0, signer=operator) | {
         "sig": signed["sig"]}), "a signature under another secret"
-    # without revokers, any holder of the secret revokes (and a signed record still counts)
-    assert AccessKeys.derive(b"s3cret").is_revocation(victim, signed)
+    # a run without revokers takes no revocation at all
+    assert not AccessKeys.derive(b"s3cret").is_revocation(victim, signed)
     assert ed25519_public_key(operator.peer_id_b58) is not None and ed25519_public_key(rsa_like) is None
     assert ed25519_public_key("not base58 0OIl") is None
 

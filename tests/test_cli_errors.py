@@ -68,6 +68,20 @@ def test_an_initial_peer_without_its_peer_id_is_refused_at_once(command, tmp_pat
     assert "invalid p2p multiaddr" not in line and elapsed < FAST_S
 
 
+def test_revoke_needs_the_run_to_name_its_revokers_and_the_key_of_one(tmp_path):
+    """A member holds the secret, so the secret alone must not revoke (net/security/access.py): nothing starts."""
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
+    args = ["revoke", PEER_ID, "--initial-peers", f"/ip4/127.0.0.1/tcp/31337/p2p/{PEER_ID}",
+            f"--network.secret_file={secret}"]
+    out, elapsed = _cli(*args)
+    _assert_one_line_error(out, "revoke: this run names no revokers", "--network.revokers=")
+    out, _ = _cli(*args, "--network.revokers=not-a-peer-id")
+    _assert_one_line_error(out, "network.revokers", "expected Ed25519 peer ids")
+    assert elapsed < FAST_S
+
+
 def test_a_bootstrap_node_pointing_at_another_needs_its_peer_id_too():
     out, _ = _cli("bootstrap", "--network.initial_peers=/dns4/boot.example.org/tcp/31337",
                   "--network.host_maddrs=/ip4/127.0.0.1/tcp/0")

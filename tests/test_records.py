@@ -151,18 +151,19 @@ def test_a_dht_node_refuses_to_store_bad_or_unsigned_records_under_the_run_keys(
 
 
 @pytest.mark.timeout(10)
-def test_a_private_node_refuses_revocations_not_signed_with_the_secret():
-    keys = AccessKeys.derive(b"secret")
+def test_a_private_node_refuses_revocations_not_signed_by_one_of_its_revokers():
+    keys = AccessKeys.derive(b"secret", revokers=(A.peer_id_b58,))  # A is the run's revoker
     node = RunRecordValidator({"revoked": "revoked"}, keys)
-    good = keys.revocation(B.peer_id_b58, 1000.0)
+    good = keys.revocation(B.peer_id_b58, 1000.0, signer=A)
     assert node.validate(_record("revoked", B.peer_id_b58, good))
+    assert check("revoked", B.peer_id_b58, good) == (B.peer_id_b58, good)
     assert not node.validate(_record("revoked", B.peer_id_b58, {**good, "at": 2000.0})), "forged"
     assert not node.validate(_record("revoked", B.peer_id_b58, {"garbage": 1})), "malformed"
-    # a run with revokers: a member's record (the secret's MAC, no revoker's signature) is refused on store too
-    strict = RunRecordValidator({"revoked": "revoked"}, AccessKeys.derive(b"secret", revokers=(A.peer_id_b58,)))
-    assert not strict.validate(_record("revoked", B.peer_id_b58, good)), "unsigned"
-    signed = strict.revocation_keys.revocation(B.peer_id_b58, 1000.0, signer=A)
-    assert strict.validate(_record("revoked", B.peer_id_b58, signed))
-    assert check("revoked", B.peer_id_b58, signed) == (B.peer_id_b58, signed)
+    # a member's record (the secret's MAC, no revoker's signature) is refused on store
+    unsigned = keys.revocation(B.peer_id_b58, 1000.0)
+    assert not node.validate(_record("revoked", B.peer_id_b58, unsigned)), "unsigned"
+    # and a run that names no revokers takes none
+    assert not RunRecordValidator({"revoked": "revoked"}, AccessKeys.derive(b"secret")).validate(
+        _record("revoked", B.peer_id_b58, good))
     with pytest.raises(RecordError):
-        check("revoked", B.peer_id_b58, {**signed, "by": "x" * 500})
+        check("revoked", B.peer_id_b58, {**good, "by": "x" * 500})

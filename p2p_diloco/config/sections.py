@@ -268,7 +268,7 @@ class NetworkConfig:
     revokers: list[str] = _f([], "a private run's revokers: Ed25519 peer ids (12D3KooW..., e.g. the bootstrap "
                              "node's, which it prints) one of which must sign a revocation ('p2p-diloco revoke' "
                              "signs with network.identity_path); every member and bootstrap must be given the same "
-                             "list. Empty: any holder of the secret may revoke any member",
+                             "list. Empty: no revocation is taken (a member cannot revoke the others either)",
                              check=_ed25519_peer_ids, rule="expected Ed25519 peer ids (12D3KooW...)")
 
 

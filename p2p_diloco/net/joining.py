@@ -63,9 +63,9 @@ def access(peer):
         return None
     rules = Access(net.secret, net.secret_file, peer.cfg.run.run_id, net.revokers)
     rules.refresh(peer.dht, peer.cfg.averaging.request_timeout)
-    who = f"{len(net.revokers)} revoker(s)" if net.revokers else "any member (network.revokers is empty)"
+    who = f"signed by {len(net.revokers)} revoker(s)" if net.revokers else "off (network.revokers is empty)"
     peer.log.info(f"private run: members only (secret {rules.keys.fingerprint}, {len(rules.revoked)} revoked "
-                  f"peer(s); revocations signed by {who})")
+                  f"peer(s); revocations {who})")
     return rules
 
 

@@ -126,7 +126,7 @@ def _serve(node: _Node, cfg: NetworkConfig, stop_event: threading.Event, echo: C
         access = Access(cfg.secret, cfg.secret_file, revokers=cfg.revokers)
         echo(f"private swarm: this node answers holders of secret {access.keys.fingerprint} only")
         if not cfg.revokers and cfg.identity_path:
-            echo(f"revocations: any member may revoke any other; to keep that to this node's key, give every node "
+            echo(f"revocations: off (network.revokers is empty); to revoke with this node's key, give every node "
                  f"--network.revokers={node.dht.peer_id} and revoke with --network.identity_path={cfg.identity_path}")
     refreshed = time.monotonic()
     while not stop_event.wait(CHECK_EVERY_S):  # the node's helpers and the list in the DHT: no event, so poll

@@ -2,8 +2,8 @@
 
 It joins the swarm's DHT as a client (with the secret), stores a revocation record of the peer, and exits. Every
 peer and bootstrap node reads the list within a roster heartbeat (or net/auth.REFRESH_S) and refuses the peer from then on.
-In a run with ``network.revokers``, the record is signed with the key at ``network.identity_path``, which must be
-one of them (the DHT node it joins with has a fresh identity: the revoker's own node may be running).
+The record is signed with the key at ``network.identity_path``, which must be one of the run's
+``network.revokers`` (the DHT node it joins with has a fresh identity: the revoker's own node may be running).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ def run_revoke(cfg: NetworkConfig, peer: str, echo: Callable[[str], None]) -> in
         raise ConfigError("revoke: needs network.secret_file (or network.secret): only a private run has members")
     if not cfg.initial_peers:
         raise ConfigError("revoke: needs --initial-peers (the multiaddr of any live node of the run)")
+    if not cfg.revokers:
+        raise ConfigError("revoke: this run names no revokers, so its nodes take no revocation: give every node "
+                          "--network.revokers=<a peer id whose key you hold> (or rotate the secret)")
     from hivemind.p2p import PeerID
 
     from p2p_diloco.net.security.auth import Access, revoke
@@ -45,10 +48,7 @@ def run_revoke(cfg: NetworkConfig, peer: str, echo: Callable[[str], None]) -> in
 
 
 def _revoker(cfg: NetworkConfig):
-    """The identity that signs the record: one of ``network.revokers``, read from ``network.identity_path``; None in
-    a run without revokers."""
-    if not cfg.revokers:
-        return None
+    """The identity that signs the record: one of ``network.revokers``, read from ``network.identity_path``."""
     from p2p_diloco.net.security.identity import Identity, IdentityError
 
     if not cfg.identity_path:

@@ -11,8 +11,9 @@ libp2p authenticates the remote PeerID of every connection, so a proof is worth 
 a member checks the proof against the connection's PeerID, never against what the message claims. What a secret
 holder can compute, any secret holder can: this keeps outsiders (no secret, an old secret) out, and revocation
 (a list of PeerIDs every node refuses) removes one member without a new secret. So that a member cannot revoke the
-others, a run names its **revokers** (``network.revokers``: Ed25519 PeerIDs, whose public key the PeerID holds):
-a revocation then also needs one of them to have signed it (:meth:`AccessKeys.revocation` with ``signer``).
+others, a revocation also needs the signature of one of the run's **revokers** (``network.revokers``: Ed25519
+PeerIDs, whose public key the PeerID holds; :meth:`AccessKeys.revocation` with ``signer``); a run that names none
+takes no revocation at all (rotating the secret still removes members).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class AccessKeys:
     member: bytes
     run_id: str
     fingerprint: str
-    revokers: tuple = ()  # base58 Ed25519 PeerIDs one of which must sign a revocation; empty: any secret holder
+    revokers: tuple = ()  # base58 Ed25519 PeerIDs one of which must sign a revocation; empty: none is taken
 
     @classmethod
     def derive(cls, secret: bytes, run_id: str = "", revokers=()) -> "AccessKeys":
@@ -113,8 +114,6 @@ class AccessKeys:
         expected = _mac(self.revoke, b"revoke", peer.encode(), repr(record["at"]).encode()).hex()
         if not (isinstance(record.get("mac"), str) and hmac.compare_digest(expected, record["mac"])):
             return False
-        if not self.revokers:
-            return True
         by, sig = record.get("by"), record.get("sig")
         return by in self.revokers and isinstance(sig, str) and ed25519_verify(
             by, self._revocation_message(peer, record["at"]), sig)
