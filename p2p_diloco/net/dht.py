@@ -186,7 +186,8 @@ def start_dht(cfg: NetworkConfig, *, client_mode: Optional[bool] = None, force_r
     it, and records in another PeerID's name not signed by that peer are refused (net/security/records.py), as are
     malformed records under the run's keys once they are known (net/security/schema.py).
     """
-    access = Access(cfg.secret, cfg.secret_file, revokers=cfg.revokers) if cfg.secret is not None or cfg.secret_file is not None else None
+    private = cfg.secret is not None or cfg.secret_file is not None
+    access = Access(cfg.secret, cfg.secret_file, revokers=cfg.revokers) if private else None
     _check_maddrs("network.initial_peers", cfg.initial_peers)
     _check_maddrs("network.host_maddrs", cfg.host_maddrs)
     _check_maddrs("network.announce_maddrs", cfg.announce_maddrs)
