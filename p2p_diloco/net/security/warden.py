@@ -37,6 +37,12 @@ TRIES = 2  # a member too loaded to answer, or whose handler is not registered y
 RETRY_S = 2.0  # s between the two
 REMEMBERED = 4096  # strangers closed at sight when they come back (the oldest forgotten first) ...
 REMEMBER_S = 600.0  # ... for this long, unless one signs a DHT request with the secret meanwhile
+_TASKS: set = set()  # asyncio keeps only weak references to tasks: ours are held here until they end
+
+
+def _hold(task: asyncio.Task) -> None:
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
 
 
 def _authorizer_of(node):
@@ -81,10 +87,9 @@ class Warden:
         self.members: dict = {}  # PeerID -> the secret's fingerprint its proof was checked with
         self.strangers: dict = {}  # PeerID -> (the secret's fingerprint it failed with, until when it is known)
         self._checking: set = set()
-        self._task: Optional[asyncio.Task] = None
 
     async def __call__(self, _dht, node) -> None:
-        self._task = asyncio.create_task(self.watch(node.p2p, self.access or (lambda: _authorizer_of(node))))
+        _hold(asyncio.create_task(self.watch(node.p2p, self.access or (lambda: _authorizer_of(node)))))
 
     async def watch(self, p2p, access: Callable) -> None:
         while True:
@@ -115,7 +120,7 @@ class Warden:
                 await self._close(p2p, peer, "closed before")
             elif self.members.get(peer) != keys.fingerprint and peer not in self._checking:
                 self._checking.add(peer)
-                asyncio.create_task(self._check(p2p, peer, keys))
+                _hold(asyncio.create_task(self._check(p2p, peer, keys)))
 
     async def _check(self, p2p, peer, keys: AccessKeys) -> None:
         try:
