@@ -118,16 +118,21 @@ async def _warden_scenario():
     seen = SimpleNamespace(keys=KEYS, revoked=frozenset(), vouched={})  # what a bootstrap's authorizer holds
     warden = wardens.Warden(access=lambda: seen)
     watching = asyncio.create_task(warden.watch(server, lambda: seen))
+    from hivemind.utils.multiaddr import Multiaddr
+
     maddrs = [str(m) for m in await server.get_visible_maddrs()]
+    addresses = [Multiaddr(m.split("/p2p/")[0]) for m in maddrs]
     nodes = {}
     try:
         for name, keys in (("member", KEYS), ("other_secret", AccessKeys.derive(b"another")), ("silent", None),
                            ("vouched", None), ("revoked", KEYS)):
-            nodes[name] = node = await _node(maddrs)
+            nodes[name] = node = await _node()
             if keys is not None:  # what start_dht registers on every node of a private swarm
                 await wardens.AnswerMembership(access=lambda k=keys: SimpleNamespace(keys=k))(
                     None, SimpleNamespace(p2p=node, peer_id=node.peer_id))
-        seen.vouched[nodes["vouched"].peer_id] = KEYS.fingerprint  # it signed a DHT request with the secret
+            if name == "vouched":  # it signed a DHT request with the secret (as it connected)
+                seen.vouched[node.peer_id] = KEYS.fingerprint
+            await node._client.connect(server.peer_id, addresses)
         ids = {name: node.peer_id for name, node in nodes.items()}
         strangers = {ids["other_secret"], ids["silent"]}
         start = asyncio.get_running_loop().time()
@@ -142,9 +147,7 @@ async def _warden_scenario():
         seen.revoked = frozenset({ids["revoked"].to_base58()})
         await _until(lambda: _strangers_gone(server, {ids["revoked"]}), 10, "the revoked member's connection closed")
         # the stranger with a wrong proof comes back: closed at its next look, not asked again
-        from hivemind.utils.multiaddr import Multiaddr
-
-        await nodes["other_secret"]._client.connect(server.peer_id, [Multiaddr(m.split("/p2p/")[0]) for m in maddrs])
+        await nodes["other_secret"]._client.connect(server.peer_id, addresses)
         await _until(lambda: _strangers_gone(server, {ids["other_secret"]}), 10, "the known stranger closed again")
         return ids, kept, closed_after, dict(warden.strangers), warden.closed
     finally:

@@ -120,16 +120,17 @@ class Warden:
                 await self._close(p2p, peer, "closed before")
             elif self.members.get(peer) != keys.fingerprint and peer not in self._checking:
                 self._checking.add(peer)
-                _hold(asyncio.create_task(self._check(p2p, peer, keys)))
+                _hold(asyncio.create_task(self._check(p2p, peer, keys, access)))
 
-    async def _check(self, p2p, peer, keys: AccessKeys) -> None:
+    async def _check(self, p2p, peer, keys: AccessKeys, access: Callable) -> None:
         try:
             why = "no answer"
             for attempt in range(TRIES):
                 if attempt:
                     await asyncio.sleep(RETRY_S)  # a node that just connected registers its handler after it joins
                 why = await self._ask(p2p, peer, keys)
-                if why is None:
+                vouched = getattr(access(), "vouched", {}).get(peer) == keys.fingerprint  # its DHT request came
+                if why is None or vouched:  # in meanwhile (a member's first act, before its answer is registered)
                     self.members[peer] = keys.fingerprint
                     return
                 if why == "a wrong membership proof":
