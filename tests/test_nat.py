@@ -257,9 +257,9 @@ def test_a_private_swarms_relay_carries_its_members_and_closes_strangers(tmp_pat
 
     secret = tmp_path / "secret"
     secret.write_text("the homes' secret\n")
-    watched = 40.0
+    watched = 25.0  # past the first connection's bound, with time for several closings after it
     with Internet() as net:
-        swarm = LabSwarm(tmp_path, net, rounds=4, expected_peers=2)
+        swarm = LabSwarm(tmp_path, net, rounds=3, expected_peers=2)
         try:
             swarm.start_bootstrap(f"--network.secret_file={secret}")
             for name in ("home0", "home1"):
@@ -286,7 +286,7 @@ def test_a_private_swarms_relay_carries_its_members_and_closes_strangers(tmp_pat
     seen = json.loads(report.read_text())
     samples = seen["samples"]
     assert modes == {"home0": "relayed", "home1": "relayed"}
-    for number in range(1, 5):  # the members' relayed all-reduce is untouched
+    for number in range(1, 4):  # the members' relayed all-reduce is untouched
         assert set(committed[number]) == {"home0", "home1"}, committed[number].keys()
         assert len({r["global_params_sha256"] for r in committed[number].values()}) == 1
     bound = POLL_S + TRIES * ANSWER_TIMEOUT_S + RETRY_S + 2.0  # + p2pd's answers on a loaded machine
