@@ -126,6 +126,8 @@ class AccessKeys:
         return {peer for peer, record in records.items() if self.is_revocation(str(peer), record)}
 
 
+# The revokers' keys, read from their PeerIDs. identity.verify does the same for any PeerID (RSA too) but loads
+# hivemind (its PeerID); this module stays pure, and config validation (network.revokers) runs before hivemind loads.
 ED25519_PEER_ID = bytes.fromhex("002408011220")  # identity multihash of a PublicKey{Ed25519, 32 bytes} protobuf
 
 
